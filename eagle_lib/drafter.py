@@ -1,0 +1,327 @@
+"""The EAGLE-3 drafter: fc (3H_t -> H), one Llama decoder layer over concat(embedding, feature), norm, lm_head.
+
+State-dict keys are exactly the EAGLE / SGLang checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
+``lm_head.weight``, buffers ``d2t`` / ``t2d``) plus ``embed_tokens.weight``, the target's frozen embedding,
+which exporters omit (engines share the target's).
+
+Token / feature alignment (the same in training, SGLang and vLLM)
+------------------------------------------------------------------
+Let the target read tokens ``x_0 .. x_n`` and let ``f_t`` (3H_t wide) be the concatenated outputs of its aux
+decoder layers at position ``t`` (the state after reading ``x_t``). The drafter row for position ``t`` takes
+
+* ``hidden[t] = project(f_t)`` (fc),
+* ``input_ids[t] = x_{t+1}`` (the token the target produced / read next),
+* ``position_ids[t] = t`` (the feature's position, not the token's),
+
+and its logits at ``t`` predict ``x_{t+2}``. So a prefill over target positions ``0..n-1`` uses
+``input_ids = x_1..x_n`` (the last one being the token the target just sampled), and the first draft token
+is the argmax at position ``n-1``. Each further draft step ``j`` feeds one row: the previous draft token,
+``hidden = out_hidden`` of the previous row (pre-norm, never re-projected by fc) and position ``n-1+j``.
+This is how vLLM's eagle proposer and SGLang's EAGLE3 worker run it (input ids shifted left by one against
+the target's positions, pre-norm output hidden recycled).
+
+The decoder layer: ``residual = hidden``; attention over
+``concat(input_layernorm(embed(ids)), hidden_norm(hidden))`` (width 2H); ``h = residual + attn``;
+``out = h + mlp(post_attention_layernorm(h))``; ``logits = lm_head(norm(out))`` over the draft vocab, whose
+ids map to the target's by ``target_id = draft_id + d2t[draft_id]``.
+
+Incremental decoding: ``DraftCache`` holds the layer's keys/values in position order. ``forward`` with a
+cache appends the new rows (each new row attends to every cached row and causally to the new ones) and
+``cache.crop(n)`` drops everything from row ``n`` on, e.g. after the target rejects draft tokens: crop to
+the rows computed from target features, then feed the accepted tokens' target features as new rows.
+All rows of a batch share one cache length (decode in lockstep; no padding mask).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "drafter_config.json"
+
+
+@dataclass
+class Eagle3Config:
+    """Shapes of the drafter; ``vocab_size`` is the target's, ``draft_vocab_size`` the lm_head's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None):
+        """A drafter as wide as the target; aux layers default to [1, L//2-1, L-4] (0-based decoder layers)."""
+        cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        n_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+        heads = cfg.num_attention_heads
+        mla = hasattr(cfg, "kv_lora_rank") or hasattr(cfg, "qk_rope_head_dim")
+        head_dim = hidden // heads if mla else (getattr(cfg, "head_dim", None) or hidden // heads)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=cfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=hidden,
+            aux_layers=list(aux_layers) if aux_layers is not None else default_aux_layers(n_layers),
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta or getattr(cfg, "rope_theta", None) or 10000.0),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Eagle3Config:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"Eagle3Config: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high decoder layers (0-based) = HF hidden_states indices +1."""
+    if num_layers < 5:
+        raise ValueError(f"a target with {num_layers} layers is too shallow for EAGLE-3 aux layers")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        d_in = 2 * c.hidden_size
+        self.q_proj = nn.Linear(d_in, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DraftCache:
+    """Keys/values of the drafter's layer, (B, n_kv, S, D) each, rows in position order."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new rows (B, n_kv, T, D); returns all rows."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        """Keep rows [0, n) (drop rejected / feature-less rows)."""
+        if n < 0 or n > len(self):
+            raise ValueError(f"DraftCache.crop({n}): cache holds {len(self)} rows")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter; see the module docstring for inputs and alignment."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = self.config = config
+        if len(c.aux_layers) != 3:
+            raise ValueError(f"EAGLE-3 needs 3 aux layers, got {c.aux_layers}")
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True  # identity map until set_vocab_map
+        self.register_buffer("t2d", t2d)
+
+    # --- vocab -------------------------------------------------------------------------------------
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft->target map (see eagle_lib.vocab)."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit the drafter")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of every draft id, (N,)."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids (any shape) to target ids."""
+        return ids + self.d2t[ids]
+
+    # --- pieces shared by inference (forward) and training (eagle_lib.ttt) -------------------------
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """fc: (B, T, 3H_t) concatenated aux-layer features -> (B, T, H)."""
+        if aux_hidden.shape[-1] != self.fc.in_features:
+            from eagle_lib.hidden import width_error
+
+            raise ValueError(width_error(aux_hidden.shape[-1], self.config.target_hidden_size, "Eagle3Drafter"))
+        return self.fc(aux_hidden)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, 1, T, D) for rotary embedding at the given positions."""
+        c = self.config
+        dims = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=position_ids.device) / c.head_dim
+        inv_freq = 1.0 / c.rope_theta**dims  # fp32 even when the weights are bf16
+        ang = position_ids[..., None].float() * inv_freq  # (B, T, D/2)
+        emb = torch.cat([ang, ang], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def qkv(self, input_ids, hidden, position_ids):
+        """q (B, nh, T, D), k/v (B, nkv, T, D) with rope applied, and the residual (B, T, H)."""
+        layer, c = self.midlayer, self.config
+        b, t = input_ids.shape
+        emb = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+        x = torch.cat([emb, layer.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        att = layer.self_attn
+        q = att.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = att.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = att.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.rope(position_ids, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v, hidden
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn (B, nh, T, D) -> pre-norm output hidden (B, T, H)."""
+        b, _, t, _ = attn.shape
+        layer = self.midlayer
+        h = residual + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def head(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) pre-norm hidden -> (B, T, N_draft) logits."""
+        return self.lm_head(self.norm(out_hidden))
+
+    # --- inference ---------------------------------------------------------------------------------
+    def forward(self, input_ids, hidden, position_ids, cache: DraftCache | None = None):
+        """One pass over new rows: returns (out_hidden (B, T, H) pre-norm, logits (B, T, N_draft)).
+
+        ``hidden`` is ``project(features)`` for rows with target features, else the previous out_hidden.
+        """
+        q, k, v, residual = self.qkv(input_ids, hidden, position_ids)
+        past = len(cache) if cache is not None else 0
+        if cache is not None:
+            k, v = cache.append(k, v)
+        t, s = q.shape[2], k.shape[2]
+        if past == 0:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = self.finish(attn, residual)
+        return out, self.head(out)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache()
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+def init_from_target(model: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
+    """Copy the target's embedding (frozen) and, when widths match, its lm_head rows of the draft vocab."""
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        if lm_head is not None and lm_head.shape[1] == model.config.hidden_size:
+            model.lm_head.weight.copy_(lm_head[model.draft_ids().to(lm_head.device)])
+
+
+def save_drafter(model: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """Write model.safetensors (full state_dict) + drafter_config.json (+ extra json fields) atomically-ish."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(out / f".{WEIGHTS_FILE}.tmp"))
+    (out / f".{WEIGHTS_FILE}.tmp").replace(out / WEIGHTS_FILE)
+    meta = {"config": model.config.to_dict(), **(extra or {})}
+    (out / f".{CONFIG_FILE}.tmp").write_text(json.dumps(meta, indent=2))
+    (out / f".{CONFIG_FILE}.tmp").replace(out / CONFIG_FILE)
+    return out
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load a drafter written by save_drafter (a final/ or checkpoint directory)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"{path}: no {name} (not a drafter directory written by save_drafter)")
+    cfg = Eagle3Config.from_dict(json.loads((path / CONFIG_FILE).read_text())["config"])
+    model = Eagle3Drafter(cfg)
+    missing, unexpected = model.load_state_dict(load_file(str(path / WEIGHTS_FILE)), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path / WEIGHTS_FILE}: missing keys {missing}, unexpected keys {unexpected}")
+    model = model.to(device)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()

@@ -1,0 +1,261 @@
+"""The one entry point: run the numbered stage notebooks in order with papermill.
+
+    python -m eagle_lib.pipeline run PARAMS [--stages 01-06] [--run-name NAME] [--force]
+
+Per run (outputs/<run>/): reports/NN_*.ipynb + .html (the executed notebooks are the report), manifest.json
+(params, git commit, package versions, start/end/duration of each stage) and .stages/<stage>.json markers.
+A stage is skipped when its marker holds the same fingerprint (its params, the code, its local input files
+and its upstream stages' fingerprints) and every output directory still has its meta.json.
+The run stops at the first failing stage, naming the failed cell and the executed notebook to open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from eagle_lib.params import STAGES, ParamsError, RunParams, StageSpec, load_params
+from eagle_lib.store import read_json, stable_hash, write_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch", "transformers", "tokenizers", "datasets", "papermill", "safetensors", "numpy", "pydantic")
+
+
+class StageFailed(RuntimeError):
+    """A stage notebook raised: the message names the stage, the cell and the executed notebook."""
+
+
+def select_stages(spec: str | None, registry: dict[str, StageSpec]) -> list[str]:
+    """'01-06', '03', '01,03', '03-' -> stage names in order (by their two-digit prefix)."""
+    names = list(registry)
+    if not spec:
+        return names
+    chosen: list[str] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        lo_n = int(lo) if lo else 0
+        hi_n = (int(hi) if hi else 99) if sep else lo_n
+        chosen += [n for n in names if lo_n <= int(n[:2]) <= hi_n and n not in chosen]
+    if not chosen:
+        raise ParamsError(f"--stages {spec!r} selects no stage (known: {', '.join(names)})")
+    return sorted(chosen, key=names.index)
+
+
+def code_fingerprint(root: Path = REPO_ROOT) -> str:
+    """Hash of the library source: a code change re-runs the stages (conservative, never stale)."""
+    files = sorted((root / "eagle_lib").rglob("*.py"))
+    return stable_hash([(str(f.relative_to(root)), f.read_bytes().hex()) for f in files])
+
+
+def _local_inputs(obj: Any, found: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Size and mtime of every existing local file or directory a parameter names (data sources)."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _local_inputs(v, found)
+    elif isinstance(obj, list):
+        for v in obj:
+            _local_inputs(v, found)
+    elif isinstance(obj, str) and obj and len(obj) < 4096 and "://" not in obj:
+        p = Path(obj)
+        if p.is_file():
+            st = p.stat()
+            found[obj] = [st.st_size, st.st_mtime_ns]
+    return found
+
+
+@dataclass
+class Runner:
+    """Runs the selected stages of one params file; `registry` may be swapped for tests."""
+
+    run: RunParams
+    run_dir: Path
+    force: bool = False
+    registry: dict[str, StageSpec] = field(default_factory=lambda: dict(STAGES))
+    root: Path = REPO_ROOT
+    log: Any = print
+
+    def __post_init__(self):
+        self.reports = self.run_dir / "reports"
+        self.markers = self.run_dir / ".stages"
+        self.manifest_path = self.run_dir / "manifest.json"
+        self.code = code_fingerprint(self.root)
+
+    def fingerprint(self, name: str, params: dict) -> str:
+        spec = self.registry[name]
+        upstream = {}
+        for dep in spec.deps:
+            marker = self._marker(dep)
+            upstream[dep] = marker.get("fingerprint") if marker else None
+        nb = (self.root / spec.notebook).read_bytes().hex()
+        return stable_hash([params, self.code, nb, _local_inputs(params, {}), upstream])
+
+    def _marker(self, name: str) -> dict | None:
+        path = self.markers / f"{name}.json"
+        return read_json(path) if path.exists() else None
+
+    def is_complete(self, name: str, fp: str) -> bool:
+        marker = self._marker(name)
+        if not marker or marker.get("status") != "complete" or marker.get("fingerprint") != fp:
+            return False
+        outputs = self.registry[name].outputs
+        return all((self.run_dir / o / "meta.json").exists() for o in outputs)
+
+    def available(self, names: list[str]) -> list[str]:
+        """Stages whose notebook exists (the pipeline runs every stage that exists)."""
+        return [n for n in names if (self.root / self.registry[n].notebook).exists()]
+
+    def execute(self, names: list[str]) -> dict:
+        """Run stages in order; returns the manifest. Raises StageFailed at the first failure."""
+        manifest = self._new_manifest()
+        for name in names:
+            entry = self._run_stage(name)
+            manifest["stages"][name] = entry
+            manifest["finished"] = _now()
+            write_json(self.manifest_path, manifest)
+            if entry["status"] == "failed":
+                raise StageFailed(entry["error"])
+        return manifest
+
+    def _run_stage(self, name: str) -> dict:
+        spec = self.registry[name]
+        params = self.run.notebook_parameters(name, str(self.run_dir), self.registry)
+        fp = self.fingerprint(name, params)
+        out_nb = self.reports / f"{name}.ipynb"
+        entry: dict[str, Any] = {"fingerprint": fp, "report": str(out_nb), "params": params}
+        if not self.force and self.is_complete(name, fp):
+            self.log(f"[{name}] skipped: outputs complete, inputs and params unchanged")
+            return {**self._marker(name), "status": "skipped"}
+        (self.markers / f"{name}.json").unlink(missing_ok=True)
+        self.log(f"[{name}] running {spec.notebook} -> {out_nb}")
+        t0, entry["started"] = time.time(), _now()
+        error = self._papermill(spec, out_nb, params)
+        entry.update(finished=_now(), seconds=round(time.time() - t0, 2))
+        if error:
+            entry.update(status="failed", error=f"stage {name} failed: {error}\n  open the report: {out_nb}")
+            self.log(entry["error"])
+            return entry
+        entry["html"] = self._html(out_nb)
+        entry["status"] = "complete"
+        write_json(self.markers / f"{name}.json", entry)
+        self.log(f"[{name}] done in {entry['seconds']:.1f}s")
+        return entry
+
+    def _papermill(self, spec: StageSpec, out_nb: Path, params: dict) -> str | None:
+        import papermill as pm
+
+        self.reports.mkdir(parents=True, exist_ok=True)
+        try:
+            pm.execute_notebook(
+                str(self.root / spec.notebook), str(out_nb), parameters=params, cwd=str(self.root),
+                progress_bar=False, log_output=False, kernel_name="python3",
+            )
+        except pm.PapermillExecutionError as e:
+            return f"cell {e.cell_index} (execution count {e.exec_count}) raised {e.ename}: {e.evalue}"
+        return None
+
+    def _html(self, nb_path: Path) -> str:
+        import nbformat
+        from nbconvert import HTMLExporter
+
+        body, _ = HTMLExporter().from_notebook_node(nbformat.read(nb_path, as_version=4))
+        html = nb_path.with_suffix(".html")
+        html.write_text(body)
+        return str(html)
+
+    def _new_manifest(self) -> dict:
+        old = read_json(self.manifest_path) if self.manifest_path.exists() else {}
+        return {
+            "run_dir": str(self.run_dir),
+            "params_file": self.run.source_file,
+            "params": self.run.model_dump(exclude={"source_file"}),
+            "git": _git_state(self.root),
+            "python": platform.python_version(),
+            "packages": _versions(),
+            "started": _now(),
+            "stages": old.get("stages", {}),
+        }
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in PACKAGES + ("eagle-lib",):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _git_state(root: Path) -> dict:
+    def git(*args):
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def run_pipeline(
+    params_path: str | Path,
+    stages: str | None = None,
+    run_name: str | None = None,
+    force: bool = False,
+    registry: dict[str, StageSpec] | None = None,
+    root: Path = REPO_ROOT,
+    log=print,
+) -> dict:
+    """Validate the params file, then run the selected stages that have a notebook; returns the manifest."""
+    registry = registry or dict(STAGES)
+    run = load_params(params_path, registry)
+    if run_name:
+        run = run.model_copy(update={"run_name": run_name})
+    run_dir = root / run.run_dir
+    runner = Runner(run, run_dir, force=force, registry=registry, root=root, log=log)
+    names = runner.available(select_stages(stages, registry))
+    missing = sorted(set(select_stages(stages, registry)) - set(names))
+    if missing:
+        log(f"not yet available (no notebook): {', '.join(missing)}")
+    return runner.execute(names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eagle_lib.pipeline", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the stage notebooks of a params file")
+    r.add_argument("params", help="params/<name>.yaml")
+    r.add_argument("--stages", default=None, help="e.g. 01-06, 03, 01,03, 04- (default: all)")
+    r.add_argument("--run-name", default=None, help="override run_name (outputs/<run-name>/)")
+    r.add_argument("--force", action="store_true", help="re-run stages even if complete and unchanged")
+    v = sub.add_parser("validate", help="validate params files and exit")
+    v.add_argument("params", nargs="+")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "validate":
+            for p in args.params:
+                load_params(p)
+                print(f"{p}: ok")
+            return 0
+        manifest = run_pipeline(args.params, args.stages, args.run_name, args.force)
+    except ParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except StageFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"reports: {Path(manifest['run_dir']) / 'reports'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
