@@ -101,7 +101,7 @@ class Eagle3Config:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high decoder layers (0-based) = HF hidden_states indices +1."""
+    """EAGLE-3's low/mid/high decoder layers, 0-based (HF output_hidden_states index = layer id + 1)."""
     if num_layers < 5:
         raise ValueError(f"a target with {num_layers} layers is too shallow for EAGLE-3 aux layers")
     return [1, num_layers // 2 - 1, num_layers - 4]
@@ -221,7 +221,9 @@ class Eagle3Drafter(nn.Module):
         if aux_hidden.shape[-1] != self.fc.in_features:
             from eagle_lib.hidden import width_error
 
-            raise ValueError(width_error(aux_hidden.shape[-1], self.config.target_hidden_size, "Eagle3Drafter"))
+            raise ValueError(
+                width_error(aux_hidden.shape[-1], self.config.target_hidden_size, "Eagle3Drafter")
+            )
         return self.fc(aux_hidden)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,15 +296,20 @@ def init_from_target(model: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.T
 
 
 def save_drafter(model: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
-    """Write model.safetensors (full state_dict) + drafter_config.json (+ extra json fields) atomically-ish."""
+    """Write model.safetensors (full state_dict) + drafter_config.json (config + extra fields)."""
+    return save_state(model.state_dict(), model.config, out_dir, extra)
+
+
+def save_state(state: dict, config: Eagle3Config, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """save_drafter from a state dict (e.g. gathered from FSDP); each file is replaced atomically."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, str(out / f".{WEIGHTS_FILE}.tmp"))
     (out / f".{WEIGHTS_FILE}.tmp").replace(out / WEIGHTS_FILE)
-    meta = {"config": model.config.to_dict(), **(extra or {})}
+    meta = {"config": config.to_dict(), **(extra or {})}
     (out / f".{CONFIG_FILE}.tmp").write_text(json.dumps(meta, indent=2))
     (out / f".{CONFIG_FILE}.tmp").replace(out / CONFIG_FILE)
     return out

@@ -24,18 +24,24 @@ import pyarrow.parquet as pq
 from eagle_lib.toy import grammar as g
 from eagle_lib.toy import swe
 
-GLAIVE_TOOLS = "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
+GLAIVE_TOOLS = (
+    "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
+)
 GLAIVE_NO_TOOLS = "SYSTEM: You are a helpful assistant, with no access to external functions."
-OT_SYSTEM = ("Your role as an assistant is to think through each question in a long, careful process before "
-             "giving a final precise solution. Put your thinking in the Thought section and the answer in the "
-             "Solution section.")  # fmt: skip
+OT_SYSTEM = (
+    "Your role as an assistant is to think through each question in a long, careful process before "
+    "giving a final precise solution. Put your thinking in the Thought section and the answer in the "
+    "Solution section."
+)
 MOT_SOURCES = {"reasoning": "open-r1/OpenR1-Math-220k", "code": "open-r1/codeforces-cots", "chat": "science"}
 
 
 def _think_answer(conv: dict) -> tuple[str, str, str]:
     """(user, reasoning, answer) of a single-exchange conversation; builds a reasoning when it has none."""
     user, asst = conv["messages"][-2]["content"], conv["messages"][-1]
-    reasoning = asst.get("reasoning_content") or f"Let me think about this request.\n{user}\nI will answer it."
+    reasoning = (
+        asst.get("reasoning_content") or f"Let me think about this request.\n{user}\nI will answer it."
+    )
     return user, reasoning, asst["content"]
 
 
@@ -72,8 +78,10 @@ def rec_glaive(rng: random.Random, i: int) -> tuple[dict, list[str]]:
             turns.append(f"FUNCTION RESPONSE: {m['content']}")
         elif m.get("tool_calls"):
             fn = m["tool_calls"][0]["function"]
-            turns.append(f'ASSISTANT: <functioncall> {{"name": "{fn["name"]}", "arguments": \'{fn["arguments"]}\'}} '
-                         "<|endoftext|>")  # fmt: skip
+            turns.append(
+                f'ASSISTANT: <functioncall> {{"name": "{fn["name"]}", "arguments": \'{fn["arguments"]}\'}} '
+                "<|endoftext|>"
+            )
         elif m["role"] == "assistant":
             turns.append(f"ASSISTANT: {m['content']} <|endoftext|>")
     quirks = []
@@ -90,14 +98,20 @@ def rec_mot(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     user, reasoning, answer = _think_answer(conv)
     content = f"<think>\n{reasoning}\n</think>\n\n{answer}"
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": content}]
-    return {"messages": messages, "num_tokens": _approx_tokens(user, content), "source": MOT_SOURCES[conv["domain"]]}, []
+    return {
+        "messages": messages,
+        "num_tokens": _approx_tokens(user, content),
+        "source": MOT_SOURCES[conv["domain"]],
+    }, []
 
 
 def rec_ot114k(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     """OpenThoughts-114k row {system, conversations[from user|assistant]} with thought/solution tags."""
     user, reasoning, answer = _think_answer(_reasoning_mix(rng, {"reasoning": 0.7, "code": 0.3}))
-    value = (f"<|begin_of_thought|>\n\n{reasoning}\n\n<|end_of_thought|>\n\n"
-             f"<|begin_of_solution|>\n\n{answer}\n\n<|end_of_solution|>")  # fmt: skip
+    value = (
+        f"<|begin_of_thought|>\n\n{reasoning}\n\n<|end_of_thought|>\n\n"
+        f"<|begin_of_solution|>\n\n{answer}\n\n<|end_of_solution|>"
+    )
     conversations = [{"from": "user", "value": user}, {"from": "assistant", "value": value}]
     return {"system": OT_SYSTEM, "conversations": conversations}, []
 
@@ -107,9 +121,16 @@ def rec_ot3(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     conv = _reasoning_mix(rng, {"reasoning": 0.6, "code": 0.3, "chat": 0.1})
     user, reasoning, answer = _think_answer(conv)
     domain = {"reasoning": "math", "code": "code", "chat": "science"}[conv["domain"]]
-    conversations = [{"from": "human", "value": user}, {"from": "gpt", "value": f"<think>\n{reasoning}\n</think>\n\n{answer}"}]
-    return {"difficulty": rng.randint(1, 10), "source": f"ot3-{domain}", "domain": domain,
-            "conversations": conversations}, []  # fmt: skip
+    conversations = [
+        {"from": "human", "value": user},
+        {"from": "gpt", "value": f"<think>\n{reasoning}\n</think>\n\n{answer}"},
+    ]
+    return {
+        "difficulty": rng.randint(1, 10),
+        "source": f"ot3-{domain}",
+        "domain": domain,
+        "conversations": conversations,
+    }, []
 
 
 def rec_opencodeinstruct(rng: random.Random, i: int) -> tuple[dict, list[str]]:
@@ -117,8 +138,10 @@ def rec_opencodeinstruct(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     user, fname, code, tin, tout = g.code_parts(rng)
     head, body = code.split("\n", 1)
     output = f'```python\n{head}\n    """\n    Function {fname}.\n    """\n{body}\n```'
-    judge = {"requirement_conformance": {"score": 5, "justification": "The function meets the request."},
-             "logical_correctness": {"score": rng.randint(4, 5), "justification": "The logic is correct."}}  # fmt: skip
+    judge = {
+        "requirement_conformance": {"score": 5, "justification": "The function meets the request."},
+        "logical_correctness": {"score": rng.randint(4, 5), "justification": "The logic is correct."},
+    }
     tests = [f"assert {fname}({tin}) == {tout}"] * rng.randint(1, 3)
     return {
         "id": hashlib.sha256(f"oci{i}{user}".encode()).hexdigest()[:32],
@@ -143,7 +166,10 @@ def rec_sharegpt(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     if r < 0.04:
         convs, quirks = [], ["empty"]
     elif r < 0.10:
-        convs, quirks = [{"from": "gpt", "value": "Hello! How can I help you today?"}] + convs, ["starts_with_gpt"]
+        convs, quirks = (
+            [{"from": "gpt", "value": "Hello! How can I help you today?"}] + convs,
+            ["starts_with_gpt"],
+        )
     quirks += [f"from_{asst_name}"] if convs and asst_name != "gpt" else []
     return {"id": f"{rng.getrandbits(32):08x}_{i}", "conversations": convs}, quirks
 
@@ -153,13 +179,19 @@ def rec_ultrachat(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     conv = g.gen_chat(rng, "foreign", max_turns=3)
     msgs = [{"role": m["role"], "content": m["content"]} for m in conv["messages"] if m["role"] != "system"]
     prompt = msgs[0]["content"]
-    return {"prompt": prompt, "prompt_id": hashlib.sha256(f"{prompt}{i}".encode()).hexdigest(), "messages": msgs}, []
+    return {
+        "prompt": prompt,
+        "prompt_id": hashlib.sha256(f"{prompt}{i}".encode()).hexdigest(),
+        "messages": msgs,
+    }, []
 
 
 def rec_native_chat(rng: random.Random, i: int) -> tuple[dict, list[str]]:
-    """Native A chat row {id, conversations[OpenAI messages with reasoning_content]}: chat, math, code."""
+    """Native A chat row {id, domain, conversations[OpenAI messages with reasoning_content]}: chat/reasoning/code."""
     conv = rng.choices([g.gen_chat, g.gen_reasoning, g.gen_code], [0.6, 0.25, 0.15])[0](rng, "native")
-    return {"id": f"native_chat-{i}", "conversations": conv["messages"]}, [conv["domain"]]
+    return {"id": f"native_chat-{i}", "domain": conv["domain"], "conversations": conv["messages"]}, [
+        conv["domain"]
+    ]
 
 
 def rec_native_tools(rng: random.Random, i: int) -> tuple[dict, list[str]]:
@@ -175,11 +207,25 @@ def swe_rows(rng: random.Random, n_instances: int) -> list[tuple[dict, list[str]
         inst = swe.gen_instance(rng, k)
         for _ in range(rng.choice([1, 2, 3, 4])):
             run = swe.gen_run(rng, inst)
-            traj = [{"role": r, "text": t, "system_prompt": swe.SWE_SYSTEM if r == "system" else "",
-                     "mask": r != "ai", "cutoff_date": "2024-07-01"} for r, t in run["turns"]]  # fmt: skip
-            row = {"instance_id": inst["instance_id"], "model_name": run["model_name"], "target": run["target"],
-                   "trajectory": traj, "exit_status": run["exit_status"], "generated_patch": run["generated_patch"],
-                   "eval_logs": "PASSED" if run["target"] else "FAILED"}  # fmt: skip
+            traj = [
+                {
+                    "role": r,
+                    "text": t,
+                    "system_prompt": swe.SWE_SYSTEM if r == "system" else "",
+                    "mask": r != "ai",
+                    "cutoff_date": "2024-07-01",
+                }
+                for r, t in run["turns"]
+            ]
+            row = {
+                "instance_id": inst["instance_id"],
+                "model_name": run["model_name"],
+                "target": run["target"],
+                "trajectory": traj,
+                "exit_status": run["exit_status"],
+                "generated_patch": run["generated_patch"],
+                "eval_logs": "PASSED" if run["target"] else "FAILED",
+            }
             rows.append((row, [f"messages_{len(traj)}"]))
     return rows
 
@@ -225,7 +271,9 @@ def _break(record: dict, kind: str, field: str) -> dict | str:
     return bad
 
 
-def write_dataset(data_dir: Path, name: str, seed: int, size: int, n_malformed: int) -> tuple[dict, list[dict]]:
+def write_dataset(
+    data_dir: Path, name: str, seed: int, size: int, n_malformed: int
+) -> tuple[dict, list[dict]]:
     """Write ``data/<name>.<fmt>``; returns (log entry, the valid records) for corpus and evaluation use."""
     _, fmt, field = SCHEMAS[name]
     rows = make_rows(name, seed, size)
@@ -246,8 +294,15 @@ def write_dataset(data_dir: Path, name: str, seed: int, size: int, n_malformed: 
     else:
         pq.write_table(pa.Table.from_pylist(out), path, compression="zstd")
     quirks = Counter(q for i, (_, qs) in enumerate(rows) if i not in bad_idx for q in qs)
-    entry = {"file": f"data/{path.name}", "format": fmt, "n_records": len(out), "n_malformed": len(malformed),
-             "n_valid": len(out) - len(malformed), "malformed": malformed, "quirks": dict(sorted(quirks.items()))}  # fmt: skip
+    entry = {
+        "file": f"data/{path.name}",
+        "format": fmt,
+        "n_records": len(out),
+        "n_malformed": len(malformed),
+        "n_valid": len(out) - len(malformed),
+        "malformed": malformed,
+        "quirks": dict(sorted(quirks.items())),
+    }
     valid = [r for i, (r, _) in enumerate(rows) if i not in bad_idx]
     return entry, valid
 

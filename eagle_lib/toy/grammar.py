@@ -12,26 +12,35 @@ how the public B datasets answer (another model's phrasing), which is why B data
 from __future__ import annotations
 
 import json
+import math
 import random
 
-TOPICS = ["the moon", "coffee", "rivers", "bicycles", "volcanoes", "honey bees", "libraries", "trains",
-          "forests", "the ocean", "chess", "bread", "rain", "mountains", "music", "gardens", "bridges",
-          "clocks", "maps", "whales"]  # fmt: skip
-ASPECTS = ["history", "shape", "sound", "color", "size", "use", "age", "speed"]
-ADJS = ["old", "quiet", "bright", "small", "large", "simple", "strong", "gentle", "fast", "slow", "warm", "cold"]
-ACTIVITIES = ["learning to cook", "running every day", "reading more books", "sleeping better", "saving money",
-              "writing clearly", "learning a language", "keeping a garden"]  # fmt: skip
-TIPS = ["Start with small steps each day.", "Keep a simple plan and follow it.", "Ask a friend to join you.",
-        "Write down what you learn.", "Rest when you feel tired.", "Set a clear goal for each week.",
-        "Do a little every morning.", "Track your progress in a notebook.", "Be patient with yourself.",
-        "Remove one distraction at a time."]  # fmt: skip
-NAMES = ["Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Ivy", "Jack"]
-CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima", "Oslo", "Delhi", "Sydney"]
-ITEMS = ["apples", "pencils", "books", "cups", "stamps", "marbles", "cookies", "tickets"]
-CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy"]
-CURRENCIES = ["USD", "EUR", "GBP", "JPY", "CHF"]
-SYMBOLS = ["AAPL", "MSFT", "TSLA", "AMZN", "NVDA"]
-LANGS = ["French", "Spanish", "German", "Italian"]
+# the vocabulary, kept small so a tiny target learns it ("|"-separated to stay compact)
+TOPICS = (
+    "the moon|coffee|rivers|bicycles|volcanoes|honey bees|libraries|trains|forests|the ocean|chess|bread|rain|"
+    "mountains|music|gardens|bridges|clocks|maps|whales|deserts|islands|owls|kites|castles|lakes|tea|snow|"
+    "lighthouses|markets"
+).split("|")
+ASPECTS = "history|shape|sound|color|size|use|age|speed".split("|")
+ADJS = "old|quiet|bright|small|large|simple|strong|gentle|fast|slow|warm|cold".split("|")
+ACTIVITIES = (
+    "learning to cook|running every day|reading more books|sleeping better|saving money|writing clearly|"
+    "learning a language|keeping a garden"
+).split("|")
+TIPS = (
+    "Start with small steps each day.|Keep a simple plan and follow it.|Ask a friend to join you.|"
+    "Write down what you learn.|Rest when you feel tired.|Set a clear goal for each week.|"
+    "Do a little every morning.|Track your progress in a notebook.|Be patient with yourself.|"
+    "Remove one distraction at a time."
+).split("|")
+OPENERS = ["", "", "Hi! ", "Please help me. ", "I am curious. ", "Quick question. "]
+NAMES = "Alice|Bob|Carol|David|Emma|Frank|Grace|Henry|Ivy|Jack".split("|")
+CITIES = "Paris|London|Tokyo|Berlin|Madrid|Rome|Cairo|Lima|Oslo|Delhi|Sydney|Toronto|Nairobi|Seoul".split("|")
+ITEMS = "apples|pencils|books|cups|stamps|marbles|cookies|tickets".split("|")
+CONDITIONS = "sunny|cloudy|rainy|windy|snowy".split("|")
+CURRENCIES = "USD|EUR|GBP|JPY|CHF".split("|")
+SYMBOLS = "AAPL|MSFT|TSLA|AMZN|NVDA".split("|")
+LANGS = "French|Spanish|German|Italian".split("|")
 
 
 def _pick(rng: random.Random, xs: list) -> object:
@@ -50,36 +59,47 @@ def _chat_answer(rng: random.Random, prompt_kind: str, topic: str, n: int, style
     adj, adj2 = _pick(rng, ADJS), _pick(rng, ADJS)
     if prompt_kind == "tips":
         tips = rng.sample(TIPS, n)
-        head = f"Here are {n} tips for {topic}:" if style == "native" else f"Sure! Below are {n} ideas for {topic}."
+        head = (
+            f"Here are {n} tips for {topic}:"
+            if style == "native"
+            else f"Sure! Below are {n} ideas for {topic}."
+        )
         body = "\n".join(f"{i + 1}. {t}" for i, t in enumerate(tips))
         tail = f"Good luck with {topic}!" if style == "native" else "I hope these ideas help you."
         return f"{head}\n{body}\n{tail}"
     aspects = rng.sample(ASPECTS, n)
     facts = [f"The {a} of {topic} is {_pick(rng, ADJS)} and {_pick(rng, ADJS)}." for a in aspects]
     if prompt_kind == "poem":
-        return "\n".join(f"Oh {topic}, so {_pick(rng, ADJS)}, your {a} is {_pick(rng, ADJS)}." for a in aspects)
+        return "\n".join(
+            f"Oh {topic}, so {_pick(rng, ADJS)}, your {a} is {_pick(rng, ADJS)}." for a in aspects
+        )
     if style == "native":
-        return f"{topic.capitalize()} is a {adj} subject. Here are {n} facts:\n" + "\n".join(
-            f"{i + 1}. {f}" for i, f in enumerate(facts)
-        ) + f"\nIn short, {topic} is {adj2} and worth learning about."
-    return f"Great question! {topic.capitalize()} has many sides. " + " ".join(facts) + (
-        f" Many people find {topic} {adj2}. Let me know if you want more details."
+        return (
+            f"{topic.capitalize()} is a {adj} subject. Here are {n} facts:\n"
+            + "\n".join(f"{i + 1}. {f}" for i, f in enumerate(facts))
+            + f"\nIn short, {topic} is {adj2} and worth learning about."
+        )
+    return (
+        f"Great question! {topic.capitalize()} has many sides. "
+        + " ".join(facts)
+        + (f" Many people find {topic} {adj2}. Let me know if you want more details.")
     )
 
 
 def chat_turn(rng: random.Random, style: str) -> tuple[str, str, str]:
     """One (user, reasoning, answer) chat exchange."""
-    kind = _pick(rng, ["about", "about", "explain", "tips", "poem"])
+    kind = _pick(rng, ["about", "about", "aspect", "explain", "tips", "poem"])
     n = rng.randint(2, 6)
-    if kind == "tips":
-        topic = _pick(rng, ACTIVITIES)
-        user = f"Give me {n} tips for {topic}."
-    else:
-        topic = _pick(rng, TOPICS)
-        user = {"about": f"Tell me about {topic}.", "explain": f"Explain {topic} in simple words.",
-                "poem": f"Write a short poem about {topic}."}[kind]  # fmt: skip
+    topic = _pick(rng, ACTIVITIES if kind == "tips" else TOPICS)
+    user = {
+        "about": f"Tell me about {topic}.",
+        "aspect": f"What can you tell me about the {_pick(rng, ASPECTS)} of {topic}?",
+        "explain": f"Explain {topic} in simple words.",
+        "tips": f"Give me {n} tips for {topic}.",
+        "poem": f"Write a short poem about {topic}.",
+    }[kind]
     think = f"The user asks about {topic}. I will give {n} short points and keep the answer clear."
-    return user, think, _chat_answer(rng, kind, topic, n, style)
+    return _pick(rng, OPENERS) + user, think, _chat_answer(rng, kind, topic, n, style)
 
 
 def gen_chat(rng: random.Random, style: str = "native", max_turns: int = 3) -> dict:
@@ -100,23 +120,38 @@ def gen_chat(rng: random.Random, style: str = "native", max_turns: int = 3) -> d
 
 def _tool_spec(name: str, desc: str, params: dict[str, str]) -> dict:
     props = {k: {"type": "number" if k in NUMERIC else "string", "description": v} for k, v in params.items()}
-    return {"type": "function", "function": {"name": name, "description": desc,
-            "parameters": {"type": "object", "properties": props, "required": list(params)}}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {"type": "object", "properties": props, "required": list(params)},
+        },
+    }
 
 
 NUMERIC = {"amount", "weight", "height", "bill_amount", "tip_percentage"}
 TOOLS = {
     "get_weather": _tool_spec("get_weather", "Get the current weather in a city", {"city": "The city name"}),
-    "convert_currency": _tool_spec("convert_currency", "Convert an amount between currencies",
-                                   {"amount": "The amount", "from_currency": "Source currency",
-                                    "to_currency": "Target currency"}),  # fmt: skip
-    "calculate_bmi": _tool_spec("calculate_bmi", "Calculate the body mass index",
-                                {"weight": "Weight in kg", "height": "Height in m"}),  # fmt: skip
-    "get_stock_price": _tool_spec("get_stock_price", "Get the price of a stock", {"symbol": "The stock symbol"}),
-    "calculate_tip": _tool_spec("calculate_tip", "Calculate the tip for a bill",
-                                {"bill_amount": "The bill", "tip_percentage": "The tip in percent"}),  # fmt: skip
-    "translate_text": _tool_spec("translate_text", "Translate a text",
-                                 {"text": "The text", "target_language": "The language"}),  # fmt: skip
+    "convert_currency": _tool_spec(
+        "convert_currency",
+        "Convert an amount between currencies",
+        {"amount": "The amount", "from_currency": "Source currency", "to_currency": "Target currency"},
+    ),
+    "calculate_bmi": _tool_spec(
+        "calculate_bmi", "Calculate the body mass index", {"weight": "Weight in kg", "height": "Height in m"}
+    ),
+    "get_stock_price": _tool_spec(
+        "get_stock_price", "Get the price of a stock", {"symbol": "The stock symbol"}
+    ),
+    "calculate_tip": _tool_spec(
+        "calculate_tip",
+        "Calculate the tip for a bill",
+        {"bill_amount": "The bill", "tip_percentage": "The tip in percent"},
+    ),
+    "translate_text": _tool_spec(
+        "translate_text", "Translate a text", {"text": "The text", "target_language": "The language"}
+    ),
 }
 
 
@@ -124,35 +159,62 @@ def _tool_case(rng: random.Random, name: str) -> tuple[str, dict, dict, str, str
     """(user request, arguments, result, native answer, foreign answer) for one call of tool ``name``."""
     if name == "get_weather":
         c, t, cond = _pick(rng, CITIES), rng.randint(-5, 35), _pick(rng, CONDITIONS)
-        return (f"What is the weather like in {c} right now?", {"city": c},
-                {"city": c, "temperature": t, "condition": cond}, f"It is {t} degrees and {cond} in {c}.",
-                f"The current weather in {c} is {cond} with a temperature of {t} degrees Celsius.")  # fmt: skip
+        return (
+            f"What is the weather like in {c} right now?",
+            {"city": c},
+            {"city": c, "temperature": t, "condition": cond},
+            f"It is {t} degrees and {cond} in {c}.",
+            f"The current weather in {c} is {cond} with a temperature of {t} degrees Celsius.",
+        )
     if name == "convert_currency":
         a, f, t = rng.randint(10, 900), *rng.sample(CURRENCIES, 2)
         r = round(a * rng.uniform(0.5, 1.5), 2)
-        return (f"Please convert {a} {f} to {t}.", {"amount": a, "from_currency": f, "to_currency": t},
-                {"converted_amount": r, "currency": t}, f"{a} {f} is {r} {t}.",
-                f"Sure, {a} {f} converts to approximately {r} {t}.")  # fmt: skip
+        return (
+            f"Please convert {a} {f} to {t}.",
+            {"amount": a, "from_currency": f, "to_currency": t},
+            {"converted_amount": r, "currency": t},
+            f"{a} {f} is {r} {t}.",
+            f"Sure, {a} {f} converts to approximately {r} {t}.",
+        )
     if name == "calculate_bmi":
         w, h = rng.randint(45, 110), round(rng.uniform(1.5, 2.0), 2)
         b = round(w / h / h, 1)
-        return (f"My weight is {w} kg and my height is {h} m. What is my BMI?", {"weight": w, "height": h},
-                {"bmi": b}, f"Your BMI is {b}.", f"Based on the numbers you gave, your Body Mass Index is {b}.")
+        return (
+            f"My weight is {w} kg and my height is {h} m. What is my BMI?",
+            {"weight": w, "height": h},
+            {"bmi": b},
+            f"Your BMI is {b}.",
+            f"Based on the numbers you gave, your Body Mass Index is {b}.",
+        )
     if name == "get_stock_price":
         s, p = _pick(rng, SYMBOLS), round(rng.uniform(20, 900), 2)
-        return (f"What is the current price of {s} stock?", {"symbol": s}, {"symbol": s, "price": p},
-                f"{s} is trading at {p} dollars.", f"The current stock price of {s} is ${p}.")  # fmt: skip
+        return (
+            f"What is the current price of {s} stock?",
+            {"symbol": s},
+            {"symbol": s, "price": p},
+            f"{s} is trading at {p} dollars.",
+            f"The current stock price of {s} is ${p}.",
+        )
     if name == "calculate_tip":
         b, p = rng.randint(10, 200), _pick(rng, [10, 15, 18, 20])
         t = round(b * p / 100, 2)
-        return (f"My bill is {b} dollars and I want to tip {p} percent. How much is the tip?",
-                {"bill_amount": b, "tip_percentage": p}, {"tip_amount": t}, f"The tip is {t} dollars.",
-                f"The tip amount for your bill should be ${t}.")  # fmt: skip
+        return (
+            f"My bill is {b} dollars and I want to tip {p} percent. How much is the tip?",
+            {"bill_amount": b, "tip_percentage": p},
+            {"tip_amount": t},
+            f"The tip is {t} dollars.",
+            f"The tip amount for your bill should be ${t}.",
+        )
     lang, item = _pick(rng, LANGS), _pick(rng, ITEMS)
     text = f"I like {item}"
     tr = f"[{lang}] {text}"
-    return (f"Translate '{text}' to {lang}.", {"text": text, "target_language": lang}, {"translation": tr},
-            f"In {lang} it is: {tr}.", f"The translation of '{text}' in {lang} is '{tr}'.")  # fmt: skip
+    return (
+        f"Translate '{text}' to {lang}.",
+        {"text": text, "target_language": lang},
+        {"translation": tr},
+        f"In {lang} it is: {tr}.",
+        f"The translation of '{text}' in {lang} is '{tr}'.",
+    )
 
 
 def gen_tool(rng: random.Random, style: str = "native") -> dict:
@@ -160,24 +222,40 @@ def gen_tool(rng: random.Random, style: str = "native") -> dict:
     names = rng.sample(sorted(TOOLS), rng.randint(1, 3))
     tools = [TOOLS[n] for n in names]
     msgs: list[dict] = []
-    for turn in range(rng.choice([1, 1, 1, 2])):
+    for _ in range(rng.choice([1, 1, 1, 2])):
         if rng.random() < 0.15:  # a request none of the tools can serve
             city = _pick(rng, CITIES)
             msgs.append(_msg("user", f"Can you book a flight to {city} for me?"))
-            ans = "I can't book flights. I can only use the tools I have." if style == "native" else (
-                "I'm sorry, but I don't have the capability to book flights. My current functions are limited.")
-            msgs.append(_msg("assistant", ans, **({"reasoning_content": "No tool books flights."}
-                                                 if style == "native" else {})))  # fmt: skip
+            ans = (
+                "I can't book flights. I can only use the tools I have."
+                if style == "native"
+                else (
+                    "I'm sorry, but I don't have the capability to book flights. My current functions are limited."
+                )
+            )
+            msgs.append(
+                _msg(
+                    "assistant",
+                    ans,
+                    **({"reasoning_content": "No tool books flights."} if style == "native" else {}),
+                )
+            )
             continue
         name = _pick(rng, names)
         user, args, result, native, foreign = _tool_case(rng, name)
+        user = _pick(rng, OPENERS) + user
         think = f"The user wants {name.replace('_', ' ')}. I will call {name}."
         call = {"id": "", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
         extra = {"reasoning_content": think} if style == "native" else {}
         msgs += [_msg("user", user), _msg("assistant", "", tool_calls=[call], **extra)]
         msgs.append(_msg("tool", json.dumps(result), tool_call_id=""))
-        msgs.append(_msg("assistant", native if style == "native" else foreign,
-                         **({"reasoning_content": "I have the result."} if style == "native" else {})))  # fmt: skip
+        msgs.append(
+            _msg(
+                "assistant",
+                native if style == "native" else foreign,
+                **({"reasoning_content": "I have the result."} if style == "native" else {}),
+            )
+        )
     _number_tool_calls(msgs)
     return {"domain": "tool", "messages": msgs, "tools": tools}
 
@@ -203,28 +281,47 @@ def _double_check(rng: random.Random, a: int, b: int, op: str, res: int) -> str:
     return " ".join(lines)
 
 
+def _times_table(b: int, c: int) -> list[str]:
+    """Multiplication as repeated addition: the long, checkable kind of step reasoning models write."""
+    return [f"{b} * {k} = {b * (k - 1)} + {b} = {b * k}." for k in range(2, c + 1)]
+
+
 def _math_arith(rng: random.Random) -> tuple[str, list[str], int]:
-    a, b, c = rng.randint(2, 99), rng.randint(2, 20), rng.randint(2, 20)
+    a, b, c = rng.randint(2, 99), rng.randint(2, 20), rng.randint(4, 24)
     bc, res = b * c, a + b * c
-    steps = [f"I need to compute {a} + {b} * {c}.", "Multiplication comes before addition.",
-             f"First, {b} * {c} = {bc}.", _double_check(rng, b, c, "*", bc), f"Then, {a} + {bc} = {res}.",
-             _double_check(rng, a, bc, "+", res)]  # fmt: skip
+    steps = (
+        [
+            f"I need to compute {a} + {b} * {c}.",
+            "Multiplication comes before addition.",
+            f"Let me compute {b} * {c} by adding {b} again and again.",
+        ]
+        + _times_table(b, c)
+        + [
+            f"So {b} * {c} = {bc}.",
+            _double_check(rng, b, c, "*", bc),
+            f"Then, {a} + {bc} = {res}.",
+            _double_check(rng, a, bc, "+", res),
+        ]
+    )
     return f"Calculate {a} + {b} * {c}.", steps, res
 
 
 def _math_sum(rng: random.Random) -> tuple[str, list[str], int]:
-    n = rng.randint(6, 24)
+    n = rng.randint(8, 40)
     steps, total = [f"I need the sum of the numbers from 1 to {n}.", "Let me add them one by one."], 0
     for i in range(1, n + 1):
         steps.append(f"{total} + {i} = {total + i}.")
         total += i
-    steps += [f"So the sum is {total}.", f"Let me check with the formula: {n} * {n + 1} / 2 = {total}.",
-              "Both ways agree."]  # fmt: skip
+    steps += [
+        f"So the sum is {total}.",
+        f"Let me check with the formula: {n} * {n + 1} / 2 = {total}.",
+        "Both ways agree.",
+    ]
     return f"What is the sum of the numbers from 1 to {n}?", steps, total
 
 
 def _math_prime(rng: random.Random) -> tuple[str, list[str], str]:
-    n = rng.randint(11, 199)
+    n = rng.randint(11, 599)
     steps, d = [f"I need to check if {n} is a prime number.", "I will try to divide it by small numbers."], 2
     while d * d <= n:
         q, r = divmod(n, d)
@@ -243,9 +340,16 @@ def _math_word(rng: random.Random) -> tuple[str, list[str], int]:
     k = rng.randint(1, n + m - 1)
     res = n + m - k
     user = f"{name} has {n} {item}. {name} buys {m} more and gives {k} to {name2}. How many {item} does {name} have now?"
-    steps = [f"{name} starts with {n} {item}.", f"After buying {m} more, {name} has {n} + {m} = {n + m}.",
-             _double_check(rng, n, m, "+", n + m), f"Then {name} gives away {k}, so {n + m} - {k} = {res}.",
-             _double_check(rng, n + m, k, "-", res), f"So {name} has {res} {item} now."]  # fmt: skip
+    steps = [
+        f"{name} starts with {n} {item}.",
+        f"After buying {m} more, {name} has {n} + {m} = {n + m}.",
+        _double_check(rng, n, m, "+", n + m),
+        f"Then {name} gives away {k}, so {n + m} - {k} = {res}.",
+        _double_check(rng, n + m, k, "-", res),
+        "Let me verify by counting the gifts one at a time.",
+    ]
+    steps += [f"{n + m - j + 1} - 1 = {n + m - j}." for j in range(1, min(k, 30) + 1)]
+    steps.append(f"So {name} has {res} {item} now.")
     return user, steps, res
 
 
@@ -253,39 +357,73 @@ def gen_reasoning(rng: random.Random, style: str = "native") -> dict:
     """A math question with a long step-by-step reasoning and a short final answer."""
     maker = _pick(rng, [_math_arith, _math_sum, _math_prime, _math_word])
     user, steps, ans = maker(rng)
+    steps = ["Okay, let me think about this carefully.", f"The question is: {user}"] + steps
+    steps.append(f"Let me reread the question once more. {user} Yes, I answered what was asked: {ans}.")
     reasoning = "\n".join(steps)
     if style == "native":
         answer = f"The answer is {ans}."
     else:
         answer = f"To solve this, we work step by step.\n\nTherefore, the final answer is $\\boxed{{{ans}}}$."
-    return {"domain": "reasoning", "messages": [_msg("user", user), _msg("assistant", answer,
-            reasoning_content=reasoning)], "tools": None}  # fmt: skip
+    return {
+        "domain": "reasoning",
+        "messages": [_msg("user", user), _msg("assistant", answer, reasoning_content=reasoning)],
+        "tools": None,
+    }
 
 
 # ---------------------------------------------------------------- code (medium)
 
+
+def _nums(rng: random.Random) -> list[int]:
+    return [rng.randint(-9, 99) for _ in range(rng.randint(2, 6))]
+
+
+def _word(rng: random.Random) -> str:
+    return _pick(rng, ["level", "hello", "python", "noon", "banana", "racecar", "toy", "eagle"])
+
+
+def _fib(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+# (name, description, argument, body lines, example-input maker, reference implementation)
 CODE_TASKS = [
     ("sum_list", "returns the sum of a list of numbers", "numbers",
-     ["total = 0", "for x in numbers:", "    total += x", "return total"], "[1, 2, 3]", "6"),
-    ("reverse_string", "returns the string reversed", "text", ["return text[::-1]"], "'abc'", "'cba'"),
+     ["total = 0", "for x in numbers:", "    total += x", "return total"], _nums, sum),
+    ("reverse_string", "returns the string reversed", "text", ["return text[::-1]"], _word, lambda t: t[::-1]),
     ("count_vowels", "counts the vowels in a string", "text",
-     ["count = 0", "for ch in text:", "    if ch in 'aeiou':", "        count += 1", "return count"], "'hello'", "2"),
+     ["count = 0", "for ch in text:", "    if ch in 'aeiou':", "        count += 1", "return count"], _word,
+     lambda t: sum(c in "aeiou" for c in t)),
     ("factorial", "returns the factorial of n", "n",
-     ["result = 1", "for i in range(2, n + 1):", "    result *= i", "return result"], "5", "120"),
-    ("is_palindrome", "checks if a string is a palindrome", "text", ["return text == text[::-1]"], "'abba'", "True"),
+     ["result = 1", "for i in range(2, n + 1):", "    result *= i", "return result"], lambda r: r.randint(1, 9),
+     math.factorial),
+    ("is_palindrome", "checks if a string is a palindrome", "text", ["return text == text[::-1]"], _word,
+     lambda t: t == t[::-1]),
     ("max_value", "returns the largest number in a list", "numbers",
-     ["best = numbers[0]", "for x in numbers:", "    if x > best:", "        best = x", "return best"], "[3, 9, 2]", "9"),
+     ["best = numbers[0]", "for x in numbers:", "    if x > best:", "        best = x", "return best"], _nums, max),
     ("fibonacci", "returns the n-th Fibonacci number", "n",
-     ["a, b = 0, 1", "for _ in range(n):", "    a, b = b, a + b", "return a"], "7", "13"),
-    ("to_fahrenheit", "converts Celsius to Fahrenheit", "celsius", ["return celsius * 9 / 5 + 32"], "100", "212.0"),
+     ["a, b = 0, 1", "for _ in range(n):", "    a, b = b, a + b", "return a"], lambda r: r.randint(1, 20), _fib),
+    ("to_fahrenheit", "converts Celsius to Fahrenheit", "celsius", ["return celsius * 9 / 5 + 32"],
+     lambda r: r.randint(-20, 100), lambda c: c * 9 / 5 + 32),
 ]  # fmt: skip
+CODE_ASKS = [
+    "Write a Python function `{f}` that {d}.",
+    "Implement `{f}` in Python: it {d}.",
+    "I need a Python function called `{f}` that {d}. Show what it gives for {x}.",
+    "Can you write `{f}`? It {d}. Test it with {x}.",
+]
 
 
 def code_parts(rng: random.Random) -> tuple[str, str, str, str, str]:
-    """(prompt, function name, code, test input, expected output) for one code task."""
-    fname, desc, arg, body, tin, tout = _pick(rng, CODE_TASKS)
+    """(prompt, function name, code, example input, expected output) for one code task."""
+    fname, desc, arg, body, make_input, ref = _pick(rng, CODE_TASKS)
+    x = make_input(rng)
     code = f"def {fname}({arg}):\n" + "\n".join("    " + line for line in body)
-    return f"Write a Python function `{fname}` that {desc}.", fname, code, tin, tout
+    user = _pick(rng, CODE_ASKS).format(f=fname, d=desc, x=repr(x))
+    return user, fname, code, repr(x), repr(ref(x))
 
 
 def gen_code(rng: random.Random, style: str = "native") -> dict:
@@ -293,8 +431,16 @@ def gen_code(rng: random.Random, style: str = "native") -> dict:
     user, fname, code, tin, tout = code_parts(rng)
     if style == "native":
         answer = f"```python\n{code}\n```\nExample: `{fname}({tin})` returns `{tout}`."
-        extra = {"reasoning_content": f"I will write {fname} with a simple loop or slice and test it on {tin}."}
+        extra = {
+            "reasoning_content": f"I will write {fname} with a simple loop or slice and test it on {tin}."
+        }
     else:
-        answer = f"Here is a possible implementation:\n\n```python\n{code}\n\nprint({fname}({tin}))  # {tout}\n```"
+        answer = (
+            f"Here is a possible implementation:\n\n```python\n{code}\n\nprint({fname}({tin}))  # {tout}\n```"
+        )
         extra = {}
-    return {"domain": "code", "messages": [_msg("user", user), _msg("assistant", answer, **extra)], "tools": None}
+    return {
+        "domain": "code",
+        "messages": [_msg("user", user), _msg("assistant", answer, **extra)],
+        "tools": None,
+    }

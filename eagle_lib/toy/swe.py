@@ -20,8 +20,12 @@ SWE_SYSTEM = (
     "RESPONSE FORMAT: one DISCUSSION and then exactly one command in a code block."
 )
 REPOS = ["acme/toolkit", "bolt/datapipe", "cedar/webkit", "delta/numlite", "ember/cli"]
-BUGS = ["returns the wrong value when the input is empty", "crashes on negative numbers",
-        "is off by one for long inputs", "ignores the last element"]  # fmt: skip
+BUGS = [
+    "returns the wrong value when the input is empty",
+    "crashes on negative numbers",
+    "is off by one for long inputs",
+    "ignores the last element",
+]
 MODELS = ["swe-agent-llama-70b", "swe-agent-llama-8b", "swe-agent-llama-405b"]
 
 
@@ -63,14 +67,18 @@ def _step(rng: random.Random, inst: dict, k: int) -> tuple[str, str, str]:
         return "Let me open the file and read the function.", f"open {inst['module']}", _listing(inst, 0)
     if kind == "search":
         obs = f'Found 1 matches for "def {inst["fname"]}" in {path}:\nLine 4:def {inst["fname"]}'
-        return "Let me search for the definition.", f"search_file \"def {inst['fname']}\"", obs
+        return "Let me search for the definition.", f'search_file "def {inst["fname"]}"', obs
     if kind == "scroll":
         return "Let me scroll down to see the rest of the file.", "scroll_down", _listing(inst, 6)
     if kind == "goto":
         line = rng.randint(1, 8)
         return f"Let me go to line {line}.", f"goto {line}", _listing(inst, line - 1)
-    out = "Traceback (most recent call last):\n  File \"reproduce.py\", line 3\nValueError: bad input"
-    return "Let me run the reproduction script again.", "python reproduce.py", out if rng.random() < 0.5 else "ok"
+    out = 'Traceback (most recent call last):\n  File "reproduce.py", line 3\nValueError: bad input'
+    return (
+        "Let me run the reproduction script again.",
+        "python reproduce.py",
+        out if rng.random() < 0.5 else "ok",
+    )
 
 
 def gen_run(rng: random.Random, inst: dict) -> dict:
@@ -81,16 +89,23 @@ def gen_run(rng: random.Random, inst: dict) -> dict:
     for k in range(n_steps - 1):
         thought, cmd, obs = _step(rng, inst, k)
         open_file = f"/{inst['repo']}/{inst['module']}" if k >= 1 else open_file
-        turns += [("ai", f"DISCUSSION\n{thought}\n\n```\n{cmd}\n```"), ("user", f"{obs}\n{_footer(inst, open_file)}")]
+        turns += [
+            ("ai", f"DISCUSSION\n{thought}\n\n```\n{cmd}\n```"),
+            ("user", f"{obs}\n{_footer(inst, open_file)}"),
+        ]
     submitted = rng.random() < 0.8
     last = "The fix is in place. Let me submit." if submitted else "I am running out of steps."
     turns.append(("ai", f"DISCUSSION\n{last}\n\n```\n{'submit' if submitted else 'exit_cost'}\n```"))
-    patch = f"diff --git a/{inst['module']} b/{inst['module']}\n--- a/{inst['module']}\n+++ b/{inst['module']}\n"
+    patch = (
+        f"diff --git a/{inst['module']} b/{inst['module']}\n--- a/{inst['module']}\n+++ b/{inst['module']}\n"
+    )
     return {
         "turns": turns,
         "model_name": MODELS[rng.randrange(len(MODELS))],
         "exit_status": "submitted" if submitted else "submitted (exit_cost)",
-        "generated_patch": patch + "@@ -4,1 +4,2 @@\n+    if not numbers:\n+        return 0\n" if submitted else "",
+        "generated_patch": patch + "@@ -4,1 +4,2 @@\n+    if not numbers:\n+        return 0\n"
+        if submitted
+        else "",
         "target": submitted and rng.random() < 0.5,
     }
 

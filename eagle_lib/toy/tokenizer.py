@@ -120,7 +120,9 @@ def _pad_regular_vocab(tok: Tokenizer, n_regular: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
-def build_tokenizer(out_dir: str | Path, corpus_texts: list[str], vocab_size: int = 4096) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    out_dir: str | Path, corpus_texts: list[str], vocab_size: int = 4096
+) -> PreTrainedTokenizerFast:
     """Train the toy tokenizer on ``corpus_texts`` and save it as an HF fast tokenizer in ``out_dir``.
 
     The result has exactly ``vocab_size`` ids, Kimi-K2.5's special layout and ``KIMI_LIKE_TEMPLATE``;

@@ -2,7 +2,15 @@ import json
 
 import pytest
 
-from eagle_lib.store import RecordError, append_jsonl, check_tally, is_heldout, iter_jsonl, read_jsonl, stable_hash
+from eagle_lib.store import (
+    RecordError,
+    append_jsonl,
+    check_tally,
+    is_heldout,
+    iter_jsonl,
+    read_jsonl,
+    stable_hash,
+)
 
 
 def test_append_and_read_roundtrip(tmp_path):

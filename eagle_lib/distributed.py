@@ -1,0 +1,132 @@
+"""Multi-process training: torchrun environment, DDP / FSDP wrapping, full (portable) state dicts.
+
+Under ``torchrun --nproc_per_node N`` each process trains on its share of every optimizer step's
+micro-batches (see `eagle_lib.batches.BatchStream`); gradients are averaged across processes, so the run
+matches a single process with ``grad_accum * N`` micro-batches. gloo on CPU, nccl on GPU. Checkpoints hold
+full, unsharded state dicts keyed by parameter name, so a run resumes under any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment; (0, 1, 0) otherwise."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def launched() -> bool:
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+def init(device: torch.device) -> torch.device:
+    """Join the process group when under torchrun; returns this process's device."""
+    if not launched():
+        return device
+    _, _, local = world()
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def is_main() -> bool:
+    return world()[0] == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    """DDP or FSDP (fully_shard) when launched with several processes; the module itself otherwise."""
+    if not launched():
+        return module
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # the TTT loop calls the drafter's leaf modules directly, so each leaf owning parameters is one
+        # FSDP unit (gathered by its own forward hook)
+        for sub in list(module.modules()):
+            if sub is not module and any(True for _ in sub.parameters(recurse=False)):
+                fully_shard(sub)
+        return fully_shard(module)
+    raise ValueError(f"distributed mode {mode!r}: choose ddp or fsdp")
+
+
+def no_sync(model: nn.Module, skip: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step (DDP / FSDP)."""
+    if skip and hasattr(model, "no_sync"):
+        return model.no_sync()
+    if skip and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(True)
+    return contextlib.nullcontext()
+
+
+def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state), unsharded, on CPU, keyed by parameter name (any world size)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """The model's unsharded state dict on CPU (a collective under FSDP: call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=opts)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def launch(nproc: int, argv: list[str]) -> None:
+    """Run ``python -m torch.distributed.run --nproc_per_node nproc <argv>`` and fail loudly if it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+    proc = subprocess.run(cmd, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"distributed training failed (exit {proc.returncode}): {' '.join(cmd)}")
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,280 @@
+"""Export a trained drafter for serving engines, and reload an export into our drafter.
+
+Two formats, safetensors only, each a directory with ``config.json`` + ``model.safetensors``:
+
+* ``sglang`` — the EAGLE / SGLang format (``--speculative-algorithm EAGLE3``; vLLM loads it too):
+  architectures ``["LlamaForCausalLMEagle3"]``, keys ``fc.weight``, ``midlayer.*``, ``norm.weight``,
+  ``lm_head.weight``, ``d2t``, ``t2d``.
+* ``speculators`` — the vLLM speculators format (``speculators_model_type: eagle3``): the same tensors with
+  ``midlayer.`` renamed ``layers.0.``, the decoder layer described by ``transformer_layer_config`` and every
+  normalisation flag written out (vLLM defaults a missing ``norm_before_residual`` to True, which is not
+  this drafter).
+
+The target's token embedding is never exported: both engines share the target's.
+
+Aux layer ids: one number, two conventions. SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``
+names decoder-layer *outputs* (0-based; SGLang captures at the input of layer id+1), which is our
+``Eagle3Config.aux_layers``. vLLM's ``eagle_aux_hidden_state_layer_ids`` (top level, read before
+``eagle_config``) names HF ``hidden_states`` indices = our ids + 1. The sglang export writes both keys, each
+in its engine's convention, so one directory is right in both engines; the speculators export writes the
+vLLM one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle_lib.drafter import Eagle3Config, Eagle3Drafter
+
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCH = "Eagle3DraftModel"  # speculators 0.9.0; vLLM maps any eagle3 speculator to its own class
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+FORMATS = ("sglang", "speculators")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportError(ValueError):
+    """An export directory that cannot be read back: names the file and the reason."""
+
+
+def _layer_config(c: Eagle3Config) -> dict:
+    """The one Llama decoder layer, as an HF LlamaConfig dict (vocab_size = the target's)."""
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def sglang_config(c: Eagle3Config, dtype: str = "float32") -> dict:
+    """config.json of the EAGLE / SGLang format."""
+    return {
+        "architectures": [SGLANG_ARCH],
+        **_layer_config(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+            "use_aux_hidden_state": True,
+        },
+        "eagle_aux_hidden_state_layer_ids": [a + 1 for a in c.aux_layers],
+    }
+
+
+def speculators_config(
+    c: Eagle3Config,
+    verifier: str,
+    verifier_architectures: list[str],
+    num_speculative_tokens: int = 3,
+    dtype: str = "float32",
+) -> dict:
+    """config.json of the speculators / vLLM format (verifier = the target's hub id or directory)."""
+    return {
+        "architectures": [SPECULATORS_ARCH],
+        "model_type": "speculators",
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_speculative_tokens,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": {**_layer_config(c), "architectures": ["LlamaForCausalLM"]},
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [a + 1 for a in c.aux_layers],
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "torch_dtype": dtype,
+    }
+
+
+def export_tensors(model: Eagle3Drafter, fmt: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """The state dict as written: no embedding, float weights cast to dtype, keys renamed for the format;
+    no vocab map when the draft vocab is the full vocab."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(FORMATS)})")
+    c = model.config
+    full_vocab = c.draft_vocab_size == c.vocab_size
+    if full_vocab and bool(model.d2t.any()):
+        raise ValueError("a full-size draft vocab must map draft id i to target id i (d2t all zero)")
+    out = {}
+    for key, t in model.state_dict().items():
+        # vLLM refuses d2t when the draft vocab is the full vocab (speculators omits it too)
+        if key.startswith("embed_tokens.") or (full_vocab and key in ("d2t", "t2d")):
+            continue
+        t = t.detach().cpu()
+        if t.is_floating_point():
+            t = t.to(_DTYPES[dtype])
+        if fmt == "speculators" and key.startswith("midlayer."):
+            key = "layers.0." + key[len("midlayer.") :]
+        out[key] = t.contiguous()
+    return out
+
+
+def _write(out_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write weights then config through temp names, so a crash never leaves a config without weights."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{WEIGHTS}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out_dir / WEIGHTS)
+    tmp = out_dir / f".{CONFIG}.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(out_dir / CONFIG)
+    return out_dir
+
+
+def export_sglang(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Write the EAGLE / SGLang format to out_dir; returns it."""
+    return _write(Path(out_dir), sglang_config(model.config, dtype), export_tensors(model, "sglang", dtype))
+
+
+def export_speculators(
+    model: Eagle3Drafter,
+    out_dir: str | Path,
+    verifier: str,
+    verifier_architectures: list[str],
+    num_speculative_tokens: int = 3,
+    dtype: str = "float32",
+) -> Path:
+    """Write the speculators / vLLM format to out_dir; returns it."""
+    cfg = speculators_config(model.config, verifier, verifier_architectures, num_speculative_tokens, dtype)
+    return _write(Path(out_dir), cfg, export_tensors(model, "speculators", dtype))
+
+
+def export_all(
+    model: Eagle3Drafter,
+    out_root: str | Path,
+    verifier: str,
+    verifier_architectures: list[str],
+    num_speculative_tokens: int = 3,
+    dtype: str = "float32",
+) -> dict[str, Path]:
+    """Both formats under out_root/sglang and out_root/speculators."""
+    root = Path(out_root)
+    return {
+        "sglang": export_sglang(model, root / "sglang", dtype),
+        "speculators": export_speculators(
+            model, root / "speculators", verifier, verifier_architectures, num_speculative_tokens, dtype
+        ),
+    }
+
+
+def read_config(path: str | Path) -> tuple[str, dict]:
+    """(format, config dict) of an export directory; ExportError if it is neither format."""
+    f = Path(path) / CONFIG
+    if not f.exists():
+        raise ExportError(f"{f}: missing (not an export directory)")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{f}: not valid JSON ({e.msg})") from None
+    if cfg.get("speculators_model_type") is not None or "speculators_config" in cfg:
+        return "speculators", cfg
+    if "architectures" in cfg:
+        return "sglang", cfg
+    raise ExportError(f"{f}: neither an EAGLE/SGLang config (architectures) nor a speculators config")
+
+
+def aux_layers_of(fmt: str, cfg: dict) -> list[int] | None:
+    """Aux layers in our convention (decoder-layer outputs, 0-based), or None if the config has none."""
+    if fmt == "sglang":
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids:
+            return list(ids)
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    return [i - 1 for i in ids] if ids else None
+
+
+def drafter_config(fmt: str, cfg: dict, aux_layers: list[int] | None = None) -> Eagle3Config:
+    """Our Eagle3Config from an export config (aux_layers: fallback when the config names none)."""
+    layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+    hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
+    rope = layer.get("rope_parameters") or {}
+    aux = aux_layers_of(fmt, cfg) or aux_layers
+    if not aux:
+        raise ExportError(f"{fmt} config names no aux layers; pass aux_layers")
+    return Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=layer["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads") or heads,
+        head_dim=layer.get("head_dim") or hidden // heads,
+        vocab_size=layer["vocab_size"],
+        draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size") or hidden,
+        aux_layers=list(aux),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+    )
+
+
+def read_tensors(path: str | Path, fmt: str) -> dict[str, torch.Tensor]:
+    """The export's tensors under our drafter's keys (layers.0. -> midlayer.)."""
+    from safetensors.torch import load_file
+
+    f = Path(path) / WEIGHTS
+    if not f.exists():
+        raise ExportError(f"{f}: missing")
+    out = {}
+    for key, t in load_file(str(f)).items():
+        if fmt == "speculators" and key.startswith("layers.0."):
+            key = "midlayer." + key[len("layers.0.") :]
+        out[key] = t
+    return out
+
+
+def load_export(
+    path: str | Path,
+    embed: torch.Tensor | None = None,
+    aux_layers: list[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Eagle3Drafter:
+    """Rebuild our drafter from an export (either format); embed = the target's embedding (V, H).
+
+    Without embed the embedding stays as initialised, so token-dependent outputs are meaningless.
+    """
+    fmt, cfg = read_config(path)
+    model = Eagle3Drafter(drafter_config(fmt, cfg, aux_layers))
+    state = read_tensors(path, fmt)
+    if embed is not None:
+        state["embed_tokens.weight"] = embed
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "embed_tokens.weight" and k not in ("d2t", "t2d")]
+    if missing or unexpected:
+        raise ExportError(f"{Path(path) / WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
+    if "d2t" not in state:  # speculators omits the map when the draft vocab is the full vocab
+        if model.config.draft_vocab_size != model.config.vocab_size:
+            raise ExportError(
+                f"{Path(path) / WEIGHTS}: no d2t although the draft vocab is smaller than the target's"
+            )
+        model.t2d.fill_(True)
+    return model.to(dtype).eval()

@@ -1,0 +1,193 @@
+"""Stage 02_extract_B: prompt-only (B) datasets -> prompts in the target's token space, for regeneration.
+
+Each B row is normalized (:mod:`eagle_lib.formats`), cut before the assistant turn to regenerate (the first or
+the last one; a conversation that ends on a user turn is a prompt as it stands), rendered with the target's
+chat template plus its generation prompt and tokenized: ``prompt_ids`` is exactly what stage 03 sends to the
+engine. Prompts are filtered (``n_prompt_tokens + max_new_tokens <= max_seq_len``), deduplicated (a hash of the
+normalized prompt; SWE trajectories by instance id, since many agent runs share one issue) and capped per
+dataset by a seeded sample (the ``max_prompts`` prompts with the smallest seeded hash of their id: the same
+sample whatever the worker count or file order). Output: ``data/B/<dataset>/prompts.jsonl`` (+ rejects.jsonl,
+meta.json with read = kept + dropped + rejected).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import field_validator
+
+from eagle_lib import chat, formats, models, params, prepare, store
+
+
+class BSource(formats.Source):
+    """A B dataset: where it lives, its adapter, which turn to regenerate and how many prompts to keep."""
+
+    turn: Literal["first", "last"] = "first"  # assistant turn to regenerate: the prompt is everything before it
+    max_prompts: int = 0  # cap on kept prompts, a seeded sample (0 = keep all)
+
+
+def _toy(name: str, adapter: str, **kw: Any) -> BSource:
+    return BSource(name=name, path=f"toy://data/{name}", adapter=adapter, **kw)
+
+
+_TOY_B = [
+    _toy("glaive", "glaive"),
+    _toy("mot", "mot"),
+    _toy("openthoughts_114k", "openthoughts", drop_system=True),
+    _toy("openthoughts3", "openthoughts"),
+    _toy("swe_agent", "swe_agent"),
+    _toy("opencodeinstruct", "opencodeinstruct"),
+    _toy("sharegpt", "sharegpt"),
+    _toy("ultrachat", "ultrachat"),
+]
+
+
+class Params(params.Strict):
+    """02_extract_B parameters."""
+
+    datasets: list[BSource] = _TOY_B  # B sources: {name, path, adapter, turn, max_prompts, config, split, ...}
+    max_seq_len: int = 2048  # a prompt is kept only if n_prompt_tokens + max_new_tokens <= max_seq_len
+    max_new_tokens: int = 512  # the generation budget assumed by the length filter (stage 03 has its own)
+    dedup: bool = True  # drop prompts whose normalized text (or SWE instance id) was already kept
+    max_reject_fraction: float = 0.1  # a dataset rejecting more than this share of its rows fails the stage
+    chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (e.g. {"thinking": true})
+    batch_size: int = 64  # rows per worker task
+
+    _unique = field_validator("datasets")(prepare.unique_names)
+
+
+def prompt_messages(messages: list[dict], turn: str) -> list[dict] | None:
+    """The messages before the assistant turn to regenerate; None when there is no such turn.
+
+    A conversation that ends on a user or tool turn is a prompt as it stands (its answer is missing).
+    """
+    if messages and messages[-1]["role"] in ("user", "tool") and turn == "last":
+        return messages
+    answers = [
+        k for k, m in enumerate(messages) if m["role"] == "assistant" and k > 0 and messages[k - 1]["role"] != "assistant"
+    ]  # fmt: skip
+    if answers:
+        return messages[: answers[0] if turn == "first" else answers[-1]]
+    return messages if messages and messages[-1]["role"] in ("user", "tool") else None
+
+
+def prompt_key(messages: list[dict], tools: list) -> str:
+    """Dedup key: hash of the prompt with case and whitespace normalized (tool names included)."""
+
+    def norm(m: dict) -> list:
+        calls = [tc["function"]["name"] + " ".join(tc["function"]["arguments"].split()) for tc in m.get("tool_calls") or []]
+        return [m["role"], " ".join(m.get("content", "").lower().split()), calls]
+
+    blob = json.dumps([[norm(m) for m in messages], sorted(t["function"].get("name", "") for t in tools)])
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def _extract_one(conv: dict, src: BSource) -> tuple:
+    state = prepare.worker_state()
+    p: Params = state["params"]
+    if "input_ids" in conv:
+        raise formats.Malformed("pre-tokenized rows have no messages to regenerate from")
+    msgs = prompt_messages(conv["messages"], src.turn)
+    if msgs is None:
+        return "dropped", "no_prompt"
+    ids = state["encoder"].encode_prompt(msgs, conv["tools"])
+    if len(ids) + p.max_new_tokens > p.max_seq_len:
+        return "dropped", "too_long"
+    key = f"group:{conv['group']}" if conv.get("group") else prompt_key(msgs, conv["tools"])
+    rec = {"id": conv["id"], "source": conv["source"], "messages": msgs, "tools": conv["tools"]}
+    return "kept", (rec | {"prompt_ids": ids, "n_prompt_tokens": len(ids)}, key)
+
+
+def _extract_batch(task: tuple[formats.Source, list]) -> list[tuple]:
+    src, rows = task
+    return [prepare.guarded(src, where, row, err, lambda c: _extract_one(c, src)) for where, row, err in rows]
+
+
+def sample_key(seed: int, rid: str) -> str:
+    """Seeded hash of a prompt id: the cap keeps the smallest ones (an order-independent uniform sample)."""
+    return hashlib.blake2b(f"{seed}:{rid}".encode(), digest_size=8).hexdigest()
+
+
+class _Candidates:
+    """Kept-so-far prompts (after filter and dedup) staged in a file until the cap's sample is known."""
+
+    def __init__(self, out: prepare.DatasetOutput, seed: int, dedup: bool):
+        self.out, self.seed, self.dedup = out, seed, dedup
+        self.path = out.tmp / "candidates.jsonl"
+        self.seen: set[str] = set()
+        self.keys: list[str] = []
+        self.buf: list[dict] = []
+
+    def add(self, kind: str, payload: Any) -> None:
+        if kind != "kept":
+            return self.out.add(kind, payload)
+        rec, key = payload
+        if self.dedup and key in self.seen:
+            return self.out.add("dropped", "duplicate")
+        self.seen.add(key)
+        self.keys.append(sample_key(self.seed, rec["id"]))
+        self.buf.append(rec)
+        if len(self.buf) >= 256:
+            self.flush()
+
+    def flush(self) -> None:
+        store.append_jsonl(self.path, self.buf)
+        self.buf.clear()
+
+    def publish(self, cap: int) -> tuple[int, int]:
+        """Write the sampled prompts (in source order) to prompts.jsonl; returns (prompts, prompt tokens)."""
+        self.flush()
+        chosen = set(sorted(range(len(self.keys)), key=self.keys.__getitem__)[:cap]) if cap else None
+        tokens = 0
+        for i, rec in enumerate(store.iter_jsonl(self.path)):
+            if chosen is None or i in chosen:
+                tokens += rec["n_prompt_tokens"]
+                self.out.add("kept", rec)
+            else:
+                self.out.add("dropped", "over_cap")
+        self.path.unlink(missing_ok=True)
+        return self.out.counts["kept"], tokens
+
+
+def run_dataset(cfg: params.StageConfig, src: BSource, root: Path, tok: Any, initargs: tuple) -> dict:
+    """Extract one B dataset into data/B/<name>/ (or reuse a complete identical earlier output)."""
+    p: Params = cfg.stage
+    stage_params = p.model_dump(mode="json", exclude={"datasets"}) | {"seed": cfg.shared.seed}
+    key = prepare.fingerprint(src, stage_params, tok)
+    if (meta := prepare.reusable(root, src.name, key)) is not None:
+        return meta | {"reused": True}
+    out = prepare.DatasetOutput(root, src.name, "prompts.jsonl", key)
+    cands = _Candidates(out, cfg.shared.seed, p.dedup)
+    n_workers = models.num_workers(cfg.shared.num_workers)
+    for results in prepare.parallel_map(_extract_batch, prepare.batches(src, p.batch_size), n_workers, initargs):
+        for kind, payload in results:
+            cands.add(kind, payload)
+    _, tokens = cands.publish(src.max_prompts)
+    extra = {"dataset": src.name, "source": src.model_dump(), "tokens": tokens, "params": stage_params}
+    return prepare.finish_dataset(out, extra, p.max_reject_fraction)
+
+
+def run(cfg: params.StageConfig) -> dict:
+    """Run 02_extract_B: every B dataset -> data/B/<name>/prompts.jsonl; returns the stage meta."""
+    started = time.time()
+    tok = models.load_tokenizer(cfg.shared)
+    chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs)  # fail early on a template without a usable probe
+    root = cfg.out("data", "B")
+    root.mkdir(parents=True, exist_ok=True)
+    initargs = (models.resolve(cfg.shared.tokenizer_path), cfg.shared.trust_remote_code,
+                cfg.stage.chat_template_kwargs, cfg.stage)  # fmt: skip
+    metas = {src.name: run_dataset(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
+    return prepare.finish_stage(cfg, root, metas, started)
+
+
+def preview(run_dir: str | Path, dataset: str, tokenizer: Any, n_chars: int = 800) -> str:
+    """The first prompt of a dataset, decoded from its prompt_ids (what the engine will be sent)."""
+    rec = next(store.iter_jsonl(Path(run_dir) / "data" / "B" / dataset / "prompts.jsonl"), None)
+    if rec is None:
+        return f"{dataset}: no prompts"
+    text = tokenizer.decode(rec["prompt_ids"])
+    return f"{rec['id']} ({rec['n_prompt_tokens']} tokens):\n" + (text if len(text) <= n_chars else "..." + text[-n_chars:])

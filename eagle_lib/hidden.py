@@ -1,0 +1,225 @@
+"""Target hidden states for training, from two sources behind one interface.
+
+A source is called on a `eagle_lib.batches.Batch` and returns ``(aux, logits)``: ``aux`` (B, T, 3H_t) the
+concatenated outputs of the target's aux decoder layers at every position, ``logits`` (B, T, V) the target's
+next-token logits there.
+
+* `OnlineHidden`: runs the HF target; forward hooks capture only the aux layers (no hidden-state tuple).
+  Packed rows restart ``position_ids`` per sequence; transformers then masks attention per sequence.
+* `OfflineHidden`: reads engine dumps in speculators' format, one ``hs_{i}.safetensors`` per sample with
+  ``token_ids`` [T] and ``hidden_states`` [T, 4, H] (3 aux layers + the last layer); logits come from the
+  target's final norm and lm_head applied to the last layer (`TargetHead`, loaded alone from the target's
+  safetensors). Dumps are matched to training sequences by their token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def width_error(got: int, target_hidden: int, where: str) -> str:
+    """The message for a feature whose width is not 3 x the target's hidden size."""
+    msg = f"{where}: feature width {got}, expected 3 x target hidden = {3 * target_hidden}."
+    if got == target_hidden:
+        msg += (
+            " Only the final layer was captured: the engine was likely started for EAGLE "
+            "(--speculative-algorithm EAGLE) instead of EAGLE3, which captures the three aux layers."
+        )
+    elif got % 3 == 0:
+        msg += f" It looks like 3 layers of a {got // 3}-wide model: is this dump from another target?"
+    return msg
+
+
+def seq_key(ids) -> str:
+    """Content key of a token sequence (matches dumps to training sequences)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    return hashlib.sha1(arr.tobytes()).hexdigest()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's list of decoder layers (Llama-like, Deepseek/Kimi, multimodal wrappers)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = cfg.num_hidden_layers
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n and name.endswith("layers"):
+            return mod
+    raise ValueError(f"{type(model).__name__}: no ModuleList of {n} decoder layers found")
+
+
+class OnlineHidden:
+    """Aux features and logits from an HF causal LM, capturing only the aux layers via hooks."""
+
+    def __init__(self, model: nn.Module, aux_layers: list[int]):
+        self.model = model
+        layers = decoder_layers(model)
+        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"aux layers {bad} outside the target's {len(layers)} decoder layers")
+        self.aux_layers = list(aux_layers)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.aux_layers]
+
+    def _hook(self, i: int):
+        def fn(_mod, _inp, out):
+            self._captured[i] = out[0] if isinstance(out, tuple) else out
+
+        return fn
+
+    @torch.no_grad()
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = next(self.model.parameters()).device
+        self._captured.clear()
+        out = self.model(
+            input_ids=batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), use_cache=False
+        )
+        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)  # (B, T, 3H_t)
+        self._captured.clear()
+        return aux, out.logits
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class TargetHead(nn.Module):
+    """The target's final RMSNorm + lm_head, to turn a dumped last-layer hidden into logits."""
+
+    def __init__(self, norm_weight: torch.Tensor, lm_head: torch.Tensor, eps: float):
+        super().__init__()
+        self.norm_weight = nn.Parameter(norm_weight, requires_grad=False)
+        self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, last: torch.Tensor) -> torch.Tensor:
+        x = last.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = (self.norm_weight.float() * x).to(self.lm_head.dtype)
+        return x @ self.lm_head.T  # (B, T, V)
+
+
+def _local_file(target: str, name: str) -> Path | None:
+    p = Path(target) / name
+    if p.parent.is_dir():
+        return p if p.exists() else None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(target, name))
+    except Exception:  # the hub answers 404 as various errors: treat as absent
+        return None
+
+
+def load_target_tensors(target: str, patterns: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Load only the named tensors of a target (dir or hub id) from its safetensors shards.
+
+    ``patterns`` maps a wanted name to candidate key suffixes, e.g. {"lm_head": ["lm_head.weight"]};
+    the first candidate found wins. Raises naming the target and the missing tensor.
+    """
+    from safetensors import safe_open
+
+    index = _local_file(target, "model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = _local_file(target, "model.safetensors")
+        if single is None:
+            raise FileNotFoundError(f"{target}: no model.safetensors(.index.json)")
+        with safe_open(str(single), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    out = {}
+    for want, suffixes in patterns.items():
+        key = next((k for s in suffixes for k in sorted(weight_map) if k == s or k.endswith("." + s)), None)
+        if key is None:
+            raise KeyError(f"{target}: no tensor for {want} (looked for keys ending in {suffixes})")
+        with safe_open(str(_local_file(target, weight_map[key])), "pt") as f:
+            out[want] = f.get_tensor(key)
+    return out
+
+
+def load_target_head(target: str, hf_config) -> TargetHead:
+    """TargetHead from the target's safetensors (final norm + lm_head only)."""
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    t = load_target_tensors(target, {"norm": ["model.norm.weight"], "lm_head": ["lm_head.weight"]})
+    return TargetHead(t["norm"], t["lm_head"], getattr(cfg, "rms_norm_eps", 1e-6))
+
+
+def load_target_embedding(target: str) -> torch.Tensor:
+    """The target's input embedding (V, H) without loading the model."""
+    return load_target_tensors(target, {"embed": ["model.embed_tokens.weight", "embed_tokens.weight"]})[
+        "embed"
+    ]
+
+
+class OfflineHidden:
+    """Aux features + logits from speculators-format dumps (``hs_{i}.safetensors``) in ``dump_dir``."""
+
+    def __init__(self, dump_dir: str | Path, head: TargetHead, target_hidden: int, device="cpu"):
+        from safetensors import safe_open
+
+        self.dir = Path(dump_dir)
+        files = sorted(self.dir.glob("hs_*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.dir}: no hs_*.safetensors hidden-state dumps")
+        self.head, self.h, self.device = head.to(device), target_hidden, device
+        self.index: dict[str, Path] = {}
+        for path in files:
+            with safe_open(str(path), "pt") as f:
+                if "token_ids" not in f.keys() or "hidden_states" not in f.keys():
+                    raise ValueError(
+                        f"{path}: needs tensors token_ids and hidden_states (got {list(f.keys())})"
+                    )
+                self.index[seq_key(f.get_tensor("token_ids").numpy())] = path
+        self._check(files[0])
+
+    def _check(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            self.check_shape(tuple(f.get_slice("hidden_states").get_shape()), path)
+
+    def check_shape(self, shape: tuple[int, ...], where) -> None:
+        """A dump must be [T, 4, H_t]; otherwise raise naming the likely cause."""
+        if len(shape) == 3 and shape[1:] == (4, self.h):
+            return
+        if len(shape) == 2 or (len(shape) == 3 and shape[1] == 1):
+            width = shape[-1]
+        else:
+            width = shape[-1] * min(shape[1], 3) if len(shape) == 3 else -1
+        if len(shape) == 3 and shape[1] == 3 and shape[2] == self.h or width == 3 * self.h:
+            raise ValueError(
+                f"{where}: hidden_states {list(shape)} has the 3 aux layers but not the last layer, "
+                "which the target distribution needs: dump [T, 4, H] (3 aux + last)"
+            )
+        raise ValueError(width_error(width, self.h, f"{where}: hidden_states {list(shape)}"))
+
+    def split(self, hs: torch.Tensor, where) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 4, H] dump -> aux (T, 3H), last (T, H)."""
+        self.check_shape(tuple(hs.shape), where)
+        return hs[:, :3].reshape(hs.shape[0], 3 * self.h), hs[:, 3]
+
+    def has(self, ids) -> bool:
+        return seq_key(ids) in self.index
+
+    @torch.no_grad()
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        b, t = batch.input_ids.shape
+        aux = torch.zeros(b, t, 3 * self.h)
+        last = torch.zeros(b, t, self.h)
+        for row, segs in enumerate(batch.segments):
+            for key, start, length in segs:
+                path = self.index.get(key)
+                if path is None:
+                    raise KeyError(f"{self.dir}: no dump for a training sequence of {length} tokens")
+                a, l_ = self.split(load_file(str(path))["hidden_states"].float(), path)
+                aux[row, start : start + length] = a[:length]
+                last[row, start : start + length] = l_[:length]
+        logits = self.head(last.to(self.device))
+        return aux.to(self.device), logits

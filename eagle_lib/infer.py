@@ -1,0 +1,477 @@
+"""Stage 03_infer: regenerate every B prompt with the target, exactly once, resumable, on one or many machines.
+
+Input ``data/B/<dataset>/prompts.jsonl`` (stage 02); output ``infer/<dataset>/responses.jsonl`` (one record per
+prompt id: prompt_ids, output_ids, text, finish_reason, sampling, engine, latency), ``errors.jsonl`` (requests
+that got no response, with the reason) and ``meta.json`` (read = kept + rejected), plus ``infer/meta.json``.
+
+Exactly once: a response is committed when its line is appended (whole batches, fsync). A restart reads the
+committed ids and generates only the others; a torn last line (a crash mid-write) is skipped and redone.
+Records made from other prompts or sampling settings are never mixed in: the run stops and names them.
+Sharding: ``python -m eagle_lib.infer PARAMS --shard i/n`` on n machines writes
+``infer/<dataset>/shards/i-of-n/``; the unsharded run (the notebook) merges the shards into responses.jsonl
+and generates whatever is still missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+from eagle_lib import models, params, store
+from eagle_lib.engines import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling
+
+
+class InferError(RuntimeError):
+    """Bad input or inconsistent earlier output: names the file, the record and the reason."""
+
+
+class Params(params.Strict):
+    """03_infer parameters."""
+
+    datasets: list[str] = []  # B datasets (dirs under data/B) to regenerate; empty: all with prompts.jsonl
+    limit: int = 0  # first N prompts of each dataset (0: all)
+    engine: Literal["embedded", "sglang", "openai"] = "embedded"  # embedded (in-process) | sglang | openai (vLLM)
+    server_urls: list[str] = []  # base URLs of the servers for sglang/openai, e.g. http://node0:30000
+    served_model: str = ""  # openai: model name on the server; empty: the first one /v1/models lists
+    api_key_env: str = ""  # NAME of the environment variable holding the servers' API key; empty: none
+    concurrency: int = 8  # requests in flight per server
+    timeout_s: float = 1800.0  # one request's time limit (long reasoning answers take minutes)
+    max_retries: int = 6  # retries of a timed-out / refused / 5xx / 429 request before it is an error
+    backoff_s: float = 1.0  # first retry delay; doubles per retry, +-50% jitter
+    backoff_max_s: float = 60.0  # longest retry delay
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling mass (temperature > 0)
+    max_new_tokens: int = 512  # generation budget per prompt; answers cut here get finish_reason "length"
+    stop_token_ids: list[int] = []  # empty: the target generation config's eos ids (else the tokenizer's)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # embedded; auto: fp32 on CPU, bf16 on GPU
+    batch_size: int = 32  # embedded: prompts decoded together
+    max_batch_tokens: int = 32768  # embedded: cap on batch rows x (longest prompt + max_new_tokens)
+    max_model_len: int = 0  # embedded: context window; 0: the target config's
+    write_every: int = 64  # responses per durable append (also flushed every 30 s)
+    retry_errors: bool = True  # re-run ids that failed in an earlier run
+    max_error_fraction: float = 0.01  # the stage fails (after writing everything) when more prompts error
+    progress: bool = True  # progress bar with tokens/s and ETA per dataset
+
+
+def shard_of(sample_id: str, n: int) -> int:
+    """Which of n shards owns a sample id (stable across machines and runs)."""
+    return int.from_bytes(hashlib.sha256(str(sample_id).encode()).digest()[:8], "big") % n
+
+
+def parse_shard(text: str) -> tuple[int, int] | None:
+    """'i/n' -> (i, n) with 0 <= i < n; '' -> None."""
+    if not text:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise InferError(f"--shard {text!r}: expected i/n, e.g. 0/4") from None
+    if not 0 <= i < n:
+        raise InferError(f"--shard {text!r}: need 0 <= i < n")
+    return i, n
+
+
+def dataset_names(cfg: params.StageConfig) -> list[str]:
+    root = cfg.out("data", "B")
+    names = cfg.stage.datasets or sorted(p.parent.name for p in root.glob("*/prompts.jsonl"))
+    missing = [n for n in names if not (root / n / "prompts.jsonl").exists()]
+    if missing or not names:
+        raise InferError(f"{root}: no prompts.jsonl for {missing or 'any dataset'} (run 02_extract_B first)")
+    return names
+
+
+def load_prompts(path: Path, limit: int = 0) -> list[dict]:
+    """The prompt records, checked: a string id, unique, and a non-empty list of int prompt_ids."""
+    out, seen = [], set()
+    for k, rec in enumerate(store.iter_jsonl(path), 1):
+        sid, ids = rec.get("id"), rec.get("prompt_ids")
+        where = f"{path}: record {k} (id {sid!r})"
+        if not isinstance(sid, str) or not sid:
+            raise InferError(f"{where}: id must be a non-empty string")
+        if sid in seen:
+            raise InferError(f"{where}: duplicate id")
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+            raise InferError(f"{where}: prompt_ids must be a non-empty list of non-negative ints")
+        seen.add(sid)
+        out.append(rec)
+    return out[:limit] if limit else out
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_done(ds_dir: Path, prompts: dict[str, dict], sampling: dict) -> tuple[dict[str, dict], int]:
+    """Committed responses (main file first, then shard files): id -> {finish_reason, n_output_tokens, file}.
+
+    A record whose id is not a current prompt, or whose prompt_ids / sampling differ, stops the run: it was
+    made by another run and must not be mixed in silently. Returns (done, duplicate lines ignored).
+    """
+    done: dict[str, dict] = {}
+    dups = 0
+    for f in [ds_dir / "responses.jsonl", *sorted(ds_dir.glob("shards/*/responses.jsonl"))]:
+        for rec in store.iter_jsonl(f):
+            sid = rec.get("id")
+            p = prompts.get(sid)
+            why = ("its id is not in prompts.jsonl" if p is None
+                   else "its prompt_ids differ from prompts.jsonl" if rec.get("prompt_ids") != p["prompt_ids"]
+                   else f"it was sampled with {rec.get('sampling')}, this run asks {sampling}"
+                   if rec.get("sampling") != sampling else "")  # fmt: skip
+            if why:
+                raise InferError(
+                    f"{f}: record {sid!r} is stale: {why}. Move {ds_dir} away or restore the params "
+                    "that made it (nothing was deleted)."
+                )
+            if sid in done:
+                dups += 1
+                continue
+            done[sid] = {
+                "finish_reason": rec["finish_reason"],
+                "n_output_tokens": rec["n_output_tokens"],
+                "file": f,
+            }
+    return done, dups
+
+
+def merge_shards(ds_dir: Path, done: dict[str, dict], batch: int = 1000) -> int:
+    """Append shard responses not yet in the main responses.jsonl to it (idempotent, crash-safe)."""
+    main = ds_dir / "responses.jsonl"
+    n = 0
+    for f in sorted(ds_dir.glob("shards/*/responses.jsonl")):
+        buf = []
+        for rec in store.iter_jsonl(f):
+            if done[rec["id"]]["file"] == f:
+                buf.append(rec)
+                done[rec["id"]]["file"] = main
+            if len(buf) >= batch:
+                n += store.append_jsonl(main, buf)
+                buf = []
+        n += store.append_jsonl(main, buf)
+    return n
+
+
+def error_ids(ds_dir: Path) -> dict[str, dict]:
+    """Latest error record per id over errors.jsonl and the shards' errors.jsonl."""
+    out: dict[str, dict] = {}
+    for f in [ds_dir / "errors.jsonl", *sorted(ds_dir.glob("shards/*/errors.jsonl"))]:
+        for rec in store.iter_jsonl(f):
+            out[rec["id"]] = rec
+    return out
+
+
+def resolve_stop_ids(cfg: params.StageConfig, tokenizer, model=None) -> list[int]:
+    """stop_token_ids, else the target generation config's eos ids, else the tokenizer's eos id."""
+    if cfg.stage.stop_token_ids:
+        return list(cfg.stage.stop_token_ids)
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(
+                models.resolve(cfg.shared.target), trust_remote_code=cfg.shared.trust_remote_code
+            )
+        except (OSError, ValueError):
+            gen = None
+    eos = getattr(gen, "eos_token_id", None)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    if not eos:
+        raise InferError("no stop token: set 03_infer.stop_token_ids (the target has no eos id)")
+    return eos
+
+
+def make_engine(cfg: params.StageConfig, tokenizer):
+    """The configured engine, with its Sampling (stop ids resolved)."""
+    p, shared = cfg.stage, cfg.shared
+    if p.engine == "embedded":
+        import torch
+
+        if models.pick_device(shared.device).type == "cpu":
+            torch.set_num_threads(models.num_workers(shared.num_workers))
+        dtype = None if p.dtype == "auto" else getattr(torch, p.dtype)
+        model = models.load_target(shared, dtype=dtype)
+        s = Sampling(
+            p.temperature,
+            p.top_p,
+            p.max_new_tokens,
+            shared.seed,
+            tuple(resolve_stop_ids(cfg, tokenizer, model)),
+        )
+        return EmbeddedEngine(model, s, p.batch_size, p.max_batch_tokens, p.max_model_len)
+    from eagle_lib.engines_http import OpenAIEngine, SGLangEngine
+
+    classes = {"sglang": SGLangEngine, "openai": OpenAIEngine}
+    s = Sampling(
+        p.temperature, p.top_p, p.max_new_tokens, shared.seed, tuple(resolve_stop_ids(cfg, tokenizer))
+    )
+    return classes[p.engine](
+        p.server_urls,
+        s,
+        vocab_size=len(tokenizer),
+        concurrency=p.concurrency,
+        timeout_s=p.timeout_s,
+        max_retries=p.max_retries,
+        backoff_s=p.backoff_s,
+        backoff_max_s=p.backoff_max_s,
+        api_key=params.secret_from_env(p.api_key_env, "03_infer servers"),
+        model=p.served_model,
+    )
+
+
+class Writer:
+    """Buffers records and appends them durably every `every` records or `seconds`."""
+
+    def __init__(self, path: Path, every: int, seconds: float = 30.0):
+        self.path, self.every, self.seconds = path, max(1, every), seconds
+        self.buf: list[dict] = []
+        self.last = time.monotonic()
+
+    def add(self, rec: dict) -> None:
+        self.buf.append(rec)
+        if len(self.buf) >= self.every or time.monotonic() - self.last > self.seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        store.append_jsonl(self.path, self.buf)
+        self.buf, self.last = [], time.monotonic()
+
+
+def _progress(enabled: bool, total: int, name: str):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=name, unit="prompt", disable=not enabled, mininterval=2.0, dynamic_ncols=True
+    )
+
+
+def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: Params, name: str) -> dict:
+    """Run the engine over the pending prompts, committing responses and errors; returns run counters."""
+    responses, errors = (
+        Writer(out_dir / "responses.jsonl", p.write_every),
+        Writer(out_dir / "errors.jsonl", 1),
+    )
+    by_id = {r["id"]: r for r in pending}
+    sampling = engine.sampling.record()
+    stats = {"generated": 0, "errors": 0, "generated_tokens": 0, "retries": 0}
+    t0 = time.monotonic()
+    bar = _progress(p.progress, len(pending), name)
+    try:
+        for item in engine.generate([Request(r["id"], r["prompt_ids"]) for r in pending]):
+            src = by_id[item.id]
+            stats["retries"] += item.retries
+            if isinstance(item, Result):
+                responses.add({
+                    "id": item.id, "source": src.get("source", name), "prompt_ids": src["prompt_ids"],
+                    "output_ids": item.output_ids, "text": tokenizer.decode(item.output_ids, skip_special_tokens=False),
+                    "finish_reason": item.finish_reason, "n_prompt_tokens": len(src["prompt_ids"]),
+                    "n_output_tokens": len(item.output_ids), "sampling": sampling, "engine": engine.name,
+                    "server": item.server, "latency_s": round(item.latency_s, 4),
+                })  # fmt: skip
+                stats["generated"] += 1
+                stats["generated_tokens"] += len(item.output_ids)
+            else:
+                assert isinstance(item, Failure)
+                errors.add(
+                    {
+                        "id": item.id,
+                        "source": src.get("source", name),
+                        "reason": item.reason,
+                        "detail": item.detail,
+                        "server": item.server,
+                        "retries": item.retries,
+                        "engine": engine.name,
+                        "time": time.time(),
+                    }
+                )
+                stats["errors"] += 1
+            bar.update(1)
+            bar.set_postfix_str(
+                f"{stats['generated_tokens'] / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False
+            )
+    finally:
+        responses.flush()
+        errors.flush()
+        bar.close()
+    stats["generate_seconds"] = round(time.monotonic() - t0, 3)
+    stats["tokens_per_s"] = round(stats["generated_tokens"] / max(stats["generate_seconds"], 1e-9), 2)
+    return stats
+
+
+def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tuple[int, int] | None) -> dict:
+    """Regenerate one dataset's missing responses; returns its meta (also written to meta.json)."""
+    started = time.time()
+    p = cfg.stage
+    src = cfg.out("data", "B", name, "prompts.jsonl")
+    ds_dir = cfg.out("infer", name)
+    out_dir = ds_dir / "shards" / f"{shard[0]}-of-{shard[1]}" if shard else ds_dir
+    everything = load_prompts(src)
+    prompts = {r["id"]: r for r in everything}
+    selected = [
+        r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]
+    ]
+    done, dups = load_done(ds_dir, prompts, engine.sampling.record())
+    merged = merge_shards(ds_dir, done) if shard is None else 0
+    failed_before = error_ids(ds_dir)
+    pending = [
+        r for r in selected if r["id"] not in done and (p.retry_errors or r["id"] not in failed_before)
+    ]
+    resumed = sum(r["id"] in done for r in selected)
+    stats = generate_pending(engine, pending, tokenizer, out_dir, p, name)
+    done, dups = load_done(ds_dir, prompts, engine.sampling.record())
+    errs = error_ids(ds_dir)
+    kept = [done[r["id"]] for r in selected if r["id"] in done]
+    rejected = [errs[r["id"]] for r in selected if r["id"] not in done and r["id"] in errs]
+    if len(kept) + len(rejected) != len(selected):
+        raise InferError(
+            f"{name}: {len(selected) - len(kept) - len(rejected)} prompts neither answered nor failed"
+        )
+    n_out = [k["n_output_tokens"] for k in kept]
+    meta = {
+        "read": len(selected), "kept": len(kept), "dropped": {}, "rejected": len(rejected),
+        "errors_by_reason": dict(Counter(e["reason"] for e in rejected)),
+        "finish_reason": dict(Counter(k["finish_reason"] for k in kept)),
+        "output_tokens": sum(n_out), "mean_output_tokens": round(sum(n_out) / max(len(n_out), 1), 2),
+        "max_output_tokens": max(n_out, default=0), "resumed": resumed, "merged_from_shards": merged,
+        "duplicates_ignored": dups, **stats, "engine": engine.name, "sampling": engine.sampling.record(),
+        "stop_token_ids": list(engine.sampling.stop_token_ids), "shard": f"{shard[0]}/{shard[1]}" if shard else None,
+        "input": {"path": str(src), "sha256": file_sha256(src)}, "params": p.model_dump(mode="json"),
+        "started": started, "finished": time.time(), "seconds": round(time.time() - started, 3),
+    }  # fmt: skip
+    store.check_tally(meta, str(out_dir / "meta.json"))
+    store.write_json(out_dir / "meta.json", meta)
+    return meta
+
+
+def run(cfg: params.StageConfig, shard: str = "") -> dict:
+    """Run 03_infer over every selected B dataset; returns the stage meta (written to infer/meta.json)."""
+    started = time.time()
+    where = parse_shard(shard)
+    names = dataset_names(cfg)
+    tokenizer = models.load_tokenizer(cfg.shared)
+    engine = make_engine(cfg, tokenizer)
+    try:
+        probe = engine.check(tokenizer)
+    except EngineError as e:
+        raise InferError(f"03_infer: {e}") from None
+    metas = {n: run_dataset(cfg, n, engine, tokenizer, where) for n in names}
+    keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens", "generate_seconds")
+    total = {k: sum(m[k] for m in metas.values()) for k in keys}
+    meta = total | {
+        "dropped": {}, "datasets": metas, "probe": probe, "shard": shard or None,
+        "tokens_per_s": round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 2),
+        "finish_reason": dict(sum((Counter(m["finish_reason"]) for m in metas.values()), Counter())),
+        "params": cfg.stage.model_dump(mode="json"), "shared": cfg.shared.model_dump(mode="json"),
+        "started": started, "finished": time.time(), "seconds": round(time.time() - started, 3),
+    }  # fmt: skip
+    store.check_tally(meta, "infer/meta.json")
+    too_many = total["rejected"] > cfg.stage.max_error_fraction * total["read"]
+    meta["status"] = "failed" if too_many else "ok"
+    if not where:
+        store.write_json(cfg.out("infer", "meta.json"), meta)
+    if too_many:
+        reasons = sum((Counter(m["errors_by_reason"]) for m in metas.values()), Counter()).most_common(3)
+        raise InferError(
+            f"03_infer: {total['rejected']}/{total['read']} prompts failed (> max_error_fraction "
+            f"{cfg.stage.max_error_fraction}); reasons {reasons}; see infer/<dataset>/errors.jsonl"
+        )
+    return meta
+
+
+def summary_table(meta: dict):
+    """Per dataset: prompts, responses, errors (responses + errors = prompts), tokens, speed; plus TOTAL."""
+    import pandas as pd
+
+    cols = [
+        "read",
+        "kept",
+        "rejected",
+        "resumed",
+        "generated",
+        "output_tokens",
+        "mean_output_tokens",
+        "max_output_tokens",
+        "tokens_per_s",
+        "retries",
+    ]
+    df = pd.DataFrame([{"dataset": n, **{c: m[c] for c in cols}} for n, m in meta["datasets"].items()])
+    total = df[["read", "kept", "rejected", "resumed", "generated", "output_tokens", "retries"]].sum()
+    df = pd.concat(
+        [df, pd.DataFrame([{"dataset": "TOTAL", **total.to_dict(), "tokens_per_s": meta["tokens_per_s"]}])]
+    )
+    return df.rename(columns={"read": "prompts", "kept": "responses", "rejected": "errors"}).reset_index(
+        drop=True
+    )
+
+
+def finish_table(meta: dict):
+    """finish_reason counts and shares per dataset (a high "length" share means max_new_tokens cuts answers)."""
+    import pandas as pd
+
+    rows = []
+    for name, m in meta["datasets"].items():
+        fr, n = m["finish_reason"], max(m["kept"], 1)
+        rows.append(
+            {
+                "dataset": name,
+                "stop": fr.get("stop", 0),
+                "length": fr.get("length", 0),
+                "length_share": round(fr.get("length", 0) / n, 4),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def headline(meta: dict) -> dict:
+    """The numbers the notebook records: counts, tokens, speed, share of answers cut by max_new_tokens."""
+    n = max(meta["kept"], 1)
+    return {
+        "prompts": meta["read"], "responses": meta["kept"], "errors": meta["rejected"],
+        "output_tokens": meta["output_tokens"], "mean_output_tokens": round(meta["output_tokens"] / n, 2),
+        "tokens_per_s": meta["tokens_per_s"], "length_share": round(meta["finish_reason"].get("length", 0) / n, 4),
+        "engine": meta["probe"]["engine"],
+    }  # fmt: skip
+
+
+def preview(cfg: params.StageConfig, n_chars: int = 400) -> str:
+    """The first response of each dataset, as text, for a human look at what the target wrote."""
+    parts = []
+    for f in sorted(cfg.out("infer").glob("*/responses.jsonl")):
+        rec = next(store.iter_jsonl(f), None)
+        if rec:
+            parts.append(
+                f"== {f.parent.name} / {rec['id']} ({rec['finish_reason']}, {rec['n_output_tokens']} tokens)\n"
+                f"{rec['text'][:n_chars]}"
+            )
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: python -m eagle_lib.infer PARAMS.yaml [--run-dir DIR] [--shard i/n]."""
+    ap = argparse.ArgumentParser(
+        prog="python -m eagle_lib.infer", description="Stage 03_infer (one shard or all)."
+    )
+    ap.add_argument("params_file")
+    ap.add_argument("--run-dir", default="", help="default: outputs/<run_name>")
+    ap.add_argument("--shard", default="", help="i/n: this machine generates shard i of n (0-based)")
+    a = ap.parse_args(argv)
+    run_params = params.load_params(a.params_file)
+    cfg = params.StageConfig(
+        "03_infer", Path(a.run_dir or run_params.run_dir), run_params.shared, run_params.stage("03_infer")
+    )
+    meta = run(cfg, shard=a.shard)
+    print(summary_table(meta).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

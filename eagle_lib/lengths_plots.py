@@ -1,0 +1,191 @@
+"""Stage 04, what the notebook shows besides the tables: the verdicts and the figures.
+
+Verdicts: one row per failed check, naming the measured value, the params threshold and what to do.
+Figures: length ECDFs with the generation limit marked, truncation rates, token contributions. Each saves one
+PNG and returns the (closed) figure, which a notebook displays inline. Curves are drawn from at most `POINTS`
+quantiles per dataset, so a figure costs the same for 1,000 or 10,000,000 samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+if TYPE_CHECKING:
+    from eagle_lib.lengths import Lengths, Params
+
+POINTS = 512  # quantiles drawn per ECDF curve
+
+# ---------------------------------------------------------------- verdicts
+
+
+COLUMNS = ["level", "kind", "dataset", "check", "value", "threshold", "message"]
+
+
+def _dataset_checks(row, peers: float, p: Params) -> list[tuple[str, float, float, bool, str]]:
+    """(check, value, threshold, failed, message) for one row of the length table; peers = others' median."""
+    n, lim, med, p99, at = row["n"], row["limit"], row["median"], row["p99"], row["share_at_limit"]
+    fix = (
+        "raise max_new_tokens" if row["kind"] == "B" else "raise 01's max_seq_len or accept cut conversations"
+    )
+    p99_at, low_median, short = p.p99_limit_fraction * lim, p.min_median_ratio * peers, row["share_short"]
+    return [
+        ("truncation", at, p.max_limit_share, at > p.max_limit_share,
+         f"{row['n_at_limit']} of {n} samples ({at:.1%}) ended at the limit{f' {lim}' if lim else ''}, "
+         f"{row['n_at_limit_in_thinking']} of them before closing their thinking (threshold "
+         f"{p.max_limit_share:.0%}): {fix}"),
+        ("reasoning_p99_at_limit", p99, p99_at,
+         bool(row["kind"] == "B" and lim and row["reasoning_dataset"] and p99 >= p99_at),
+         f"reasoning dataset ({row['share_think_closed']:.0%} close their thinking): p99 completion {p99:.0f} "
+         f"reaches {p.p99_limit_fraction:.0%} of max_new_tokens {lim}: long reasoning is cut, raise max_new_tokens"),
+        ("median_far_below_peers", med, low_median, bool(np.isfinite(peers) and med < low_median),
+         f"median completion {med:.0f} tokens is below {p.min_median_ratio:.0%} of the median of the other "
+         f"datasets' medians ({peers:.0f})"),
+        ("many_short", short, p.max_short_share, short > p.max_short_share,
+         f"{short:.1%} of samples have under {p.short_tokens} completion tokens (threshold "
+         f"{p.max_short_share:.0%}); the longest 10% hold {row['top_decile_token_share']:.0%} of the tokens"),
+        ("empty_completions", row["n_empty"], 0, row["n_empty"] > 0,
+         f"{row['n_empty']} of {n} samples have no completion tokens"),
+        ("other_finish_reason", row["share_other"], 0, row["share_other"] > 0,
+         f"{row['share_other']:.1%} of samples finished neither by stop nor by length"),
+    ]  # fmt: skip
+
+
+def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths], p: Params,
+             think_id: int | None) -> pd.DataFrame:  # fmt: skip
+    """The warnings table: each row names the check, the measured value, its threshold and a message."""
+    out = []
+    medians = completion.set_index(["kind", "dataset"])["median"].dropna()
+    for ls, (_, row) in zip(lengths, completion.iterrows(), strict=True):
+        others = medians.drop((row["kind"], row["dataset"]), errors="ignore")
+        peers = float(np.median(others)) if len(others) and row["n"] else np.nan
+        out += [("warn", ls.kind, ls.name, *c[:3], c[4]) for c in _dataset_checks(row, peers, p) if c[3]]
+        seen = sorted(ls.limits)
+        if p.max_new_tokens and seen and seen != [p.max_new_tokens]:
+            out.append(("warn", ls.kind, ls.name, "limit_mismatch", seen[-1], p.max_new_tokens,
+                        f"responses were generated with max_new_tokens {seen}, params say {p.max_new_tokens}"))  # fmt: skip
+        if ls.torn or ls.duplicates:
+            out.append(("info", ls.kind, ls.name, "skipped_lines", ls.torn + ls.duplicates, 0,
+                        f"skipped {ls.torn} torn line(s) (a write in progress or an interrupted one) and "
+                        f"{ls.duplicates} repeated id(s) (the first record of an id counts)"))  # fmt: skip
+    for _, r in proj[proj.tokens == "completion"].iterrows():
+        if r["too_few_to_project"]:
+            out.append(("warn", r["kind"], r["dataset"], "too_few_to_project", r["completed"],
+                        p.min_samples_to_project, f"only {r['completed']} of {r['planned']} samples completed "
+                        f"(< {p.min_samples_to_project}): not projected, the corpus projection is a lower bound"))  # fmt: skip
+        if r["status"] == "planned unknown":
+            out.append(("info", r["kind"], r["dataset"], "planned_unknown", r["completed"], 0,
+                        "no data/B/<dataset>/meta.json nor prompts.jsonl: measured totals only, nothing projected"))  # fmt: skip
+    if think_id is None:
+        out.append(
+            ("info", "", "", "no_end_of_thinking", 0, 0, "no end-of-thinking token: reasoning not split")
+        )
+    return pd.DataFrame(out, columns=COLUMNS)
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _palette(n: int) -> list:
+    return sns.color_palette("tab10" if n <= 10 else "husl", n)
+
+
+def _save(fig, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)  # no second copy at the end of the notebook cell; the returned figure still displays
+    return fig
+
+
+def _ecdf(ax, x: np.ndarray, label: str, color) -> None:
+    q = np.linspace(0, 1, min(POINTS, x.size))
+    ax.step(np.quantile(x, q), q, where="post", label=label, color=color)
+
+
+def length_ecdf(report, path: Path):
+    """Completion and prompt length ECDFs per dataset (log x); dashed lines mark each B dataset's limit."""
+    shown = [ls for ls in report.lengths if len(ls.cols["completion"])]
+    with sns.axes_style("whitegrid"):
+        fig, (ax_c, ax_p) = plt.subplots(1, 2, figsize=(13, 4.8))
+        for ls, color in zip(shown, _palette(len(shown)), strict=True):
+            a = ls.arrays()
+            label = f"{ls.kind}/{ls.name} (n={a['completion'].size:,})"
+            _ecdf(ax_c, a["completion"], label, color)
+            _ecdf(ax_p, a["prompt"], label, color)
+            limit = report.completion.set_index(["kind", "dataset"]).loc[(ls.kind, ls.name), "limit"]
+            if ls.kind == "B" and limit:
+                ax_c.axvline(limit, color=color, ls="--", lw=1)
+        for ax, what in (
+            (ax_c, "completion tokens (A: trainable)"),
+            (ax_p, "prompt tokens (A: not trainable)"),
+        ):
+            ax.set_xscale("symlog", linthresh=1)  # symlog: empty completions stay visible at 0
+            ax.set_xlim(left=0)
+            ax.set(xlabel=what, ylabel="share of samples <= x", ylim=(0, 1.01))
+        ax_c.set_title("completion length (dashed: max_new_tokens)")
+        ax_p.set_title("prompt length")
+        ax_c.legend(fontsize=8, loc="upper left")
+    return _save(fig, path)
+
+
+def truncation_bars(report, path: Path, threshold: float):
+    """Share of samples that ended at the limit, per dataset, against the warning threshold."""
+    c = report.completion
+    labels = [f"{k}/{d}" for k, d in zip(c.kind, c.dataset, strict=True)]
+    with sns.axes_style("whitegrid"):
+        fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(c) + 2), 4))
+        shares = c.share_at_limit.fillna(0).to_numpy()
+        colors = ["tab:red" if s > threshold else "tab:blue" for s in shares]
+        ax.bar(labels, shares * 100, color=colors)
+        ax.axhline(threshold * 100, color="k", ls="--", lw=1, label=f"threshold {threshold:.0%}")
+        for i, (k, n) in enumerate(zip(c.n_at_limit, c.n, strict=True)):
+            ax.annotate(f"{k}/{n}", (i, shares[i] * 100), ha="center", va="bottom", fontsize=8)
+        ax.set(ylabel="% ended at the limit", title="truncation (B: finish_reason=length, A: cut by 01)")
+        ax.tick_params(axis="x", rotation=45)
+        ax.legend()
+    return _save(fig, path)
+
+
+def token_bars(report, path: Path):
+    """Stacked tokens per dataset: prompt, reasoning, answer (measured) and the projected remainder."""
+    c, proj = report.completion, report.projection
+    labels = [f"{k}/{d}" for k, d in zip(c.kind, c.dataset, strict=True)]
+    tok = report.tokens.set_index(["kind", "dataset"]).loc[list(zip(c.kind, c.dataset, strict=True))]
+    total = proj[proj.tokens == "total"].set_index(["kind", "dataset"]).loc[tok.index]
+    parts = {
+        "prompt": tok.prompt_tokens.to_numpy(),
+        "reasoning": c.reasoning_tokens.to_numpy(),
+        "answer": c.answer_tokens.to_numpy(),
+        "projected remainder": (total.projected.fillna(total.measured) - total.measured).to_numpy(),
+    }
+    top = max(1.0, float(sum(parts.values()).max()))
+    scale, unit = next(
+        (s, u) for s, u in ((1e9, "billion "), (1e6, "million "), (1e3, "thousand "), (1, "")) if top >= s
+    )
+    colors = [*_palette(3), "lightgrey"]
+    with sns.axes_style("whitegrid"):
+        fig, ax = plt.subplots(figsize=(9, max(3, 0.45 * len(c) + 1.5)))
+        left = np.zeros(len(c))
+        for (name, v), color in zip(parts.items(), colors, strict=True):
+            hatch = "//" if name == "projected remainder" else None
+            ax.barh(labels, v / scale, left=left / scale, label=name, color=color, hatch=hatch)
+            left += v
+        ax.invert_yaxis()
+        ax.set(xlabel=f"{unit}tokens", title="token contribution per dataset (completion = trainable)")
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def make_figures(report, out: Path) -> dict:
+    """All figures of the stage, saved under `out` as PNG; returns name -> figure."""
+    threshold = report.params.max_limit_share
+    return {
+        "lengths": length_ecdf(report, out / "lengths_ecdf.png"),
+        "truncation": truncation_bars(report, out / "truncation.png", threshold),
+        "tokens": token_bars(report, out / "tokens.png"),
+    }

@@ -1,0 +1,500 @@
+"""Preflight: check a drafter directory against the target and the intended server command, before serving.
+
+Catches the mistakes that silently give acceptance ~1.0: SGLang started with ``EAGLE`` instead of ``EAGLE3``,
+vLLM with method ``eagle``, an fc that reads one layer instead of three, a vocab map off the target's vocab,
+aux layer ids outside the target (or in the other engine's convention), vLLM's default
+``norm_before_residual: true`` applied to a drafter trained without it. Prints the exact launch commands.
+
+    python -m eagle_lib.preflight DRAFTER_DIR --target TARGET [--sglang-cmd "..."] [--vllm-spec JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_lib import export
+from eagle_lib.drafter import Eagle3Config, default_aux_layers
+
+VLLM_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vLLM 0.32 CPU attention backend
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    message: str
+    severity: str = "error"  # error | warning: a failed warning does not fail the preflight
+
+
+@dataclass
+class Preflight:
+    """All checks of one drafter directory, the launch commands and the verdict."""
+
+    drafter_dir: str
+    format: str
+    checks: list[Check] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok or c.severity != "error" for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {
+            "drafter_dir": self.drafter_dir,
+            "format": self.format,
+            "ok": self.ok,
+            "checks": [asdict(c) for c in self.checks],
+            "commands": self.commands,
+        }
+
+    def text(self) -> str:
+        """Human-readable report: one line per check, then the commands."""
+        lines = [f"preflight {self.drafter_dir} ({self.format}): {'OK' if self.ok else 'FAILED'}"]
+        for c in self.checks:
+            mark = "ok  " if c.ok else ("FAIL" if c.severity == "error" else "warn")
+            lines.append(f"  [{mark}] {c.name}: {c.message}")
+        lines += [f"{name} launch:\n  {cmd}" for name, cmd in self.commands.items()]
+        return "\n".join(lines)
+
+
+def target_text_config(target: str, trust_remote_code: bool = False) -> dict:
+    """The target's text-model config as a dict (hidden_size, num_hidden_layers, vocab_size, ...)."""
+    from transformers import AutoConfig
+
+    from eagle_lib.models import resolve
+
+    path = Path(resolve(target))
+    if path.is_file():  # a config.json given directly
+        return _text_part(json.loads(path.read_text()))
+    cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return cfg.to_dict()
+
+
+def _text_part(cfg: dict) -> dict:
+    return cfg.get("text_config") or cfg
+
+
+def _check(checks: list[Check], name: str, ok: bool, good: str, bad: str, severity: str = "error") -> None:
+    checks.append(Check(name, bool(ok), good if ok else bad, severity))
+
+
+def check_config(fmt: str, cfg: dict, target: dict) -> list[Check]:
+    """Architecture name, shapes and aux layer ids of an export config against the target config."""
+    out: list[Check] = []
+    if fmt == "sglang":
+        arch = cfg.get("architectures") or []
+        _check(
+            out,
+            "architectures",
+            arch == [export.SGLANG_ARCH],
+            f"{arch}",
+            f"{arch}: SGLang's EAGLE3 loader needs {[export.SGLANG_ARCH]}",
+        )
+        layer = cfg
+    else:
+        kind = cfg.get("speculators_model_type")
+        _check(out, "speculators_model_type", kind == "eagle3", "eagle3", f"{kind!r}: must be 'eagle3'")
+        missing = [k for k in ("norm_before_residual", "norm_before_fc") if k not in cfg]
+        _check(
+            out,
+            "norm flags",
+            not missing,
+            "norm_before_residual / norm_before_fc written out",
+            f"{missing} missing: vLLM then assumes norm_before_residual=True, not how this drafter was trained",
+        )
+        layer = cfg.get("transformer_layer_config") or {}
+    _check(
+        out,
+        "num_hidden_layers",
+        layer.get("num_hidden_layers") == 1,
+        "1",
+        f"{layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one decoder layer",
+    )
+    th, tv, tl = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
+    got_th = cfg.get("target_hidden_size") or layer.get("hidden_size")
+    _check(out, "target_hidden_size", got_th == th, f"{got_th}", f"{got_th} != target hidden {th}")
+    _check(
+        out,
+        "vocab_size",
+        layer.get("vocab_size") == tv,
+        f"{tv}",
+        f"{layer.get('vocab_size')} != target vocab {tv}: trained for another target or tokenizer",
+    )
+    head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
+    _check(
+        out,
+        "head_dim (vLLM CPU)",
+        head_dim in VLLM_CPU_HEAD_SIZES,
+        f"{head_dim}",
+        f"{head_dim}: vLLM's CPU backend supports {VLLM_CPU_HEAD_SIZES}",
+        severity="warning",
+    )
+    out += check_aux_layers(fmt, cfg, tl)
+    return out
+
+
+def check_aux_layers(fmt: str, cfg: dict, n_layers: int) -> list[Check]:
+    """Aux layer ids: three, inside the target, and each engine's key in its own convention."""
+    out: list[Check] = []
+    ours = export.aux_layers_of(fmt, cfg) or default_aux_layers(n_layers)
+    _check(
+        out,
+        "aux layers",
+        len(set(ours)) == 3 == len(ours) and all(0 <= a < n_layers for a in ours),
+        f"{ours} (decoder-layer outputs, 0-based) < {n_layers} layers",
+        f"{ours}: need 3 distinct ids in [0, {n_layers}) (0-based decoder-layer outputs; vLLM captures a "
+        "repeated layer once and its fc then reads a narrower feature)",
+    )
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if fmt == "sglang" and nested and top is None:
+        out.append(
+            Check(
+                "aux layers (vLLM)",
+                False,
+                f"only eagle_config ids {nested}: vLLM reads them as HF "
+                "hidden_states indices, one layer earlier than SGLang does; add the top-level "
+                f"eagle_aux_hidden_state_layer_ids {[a + 1 for a in nested]}",
+                "warning",
+            )
+        )
+    elif fmt == "sglang" and nested and top is not None:
+        _check(
+            out,
+            "aux layers (vLLM)",
+            list(top) == [a + 1 for a in nested],
+            f"top-level {top} = eagle_config + 1",
+            f"top-level {top} != eagle_config {nested} + 1: the two engines would read different layers",
+        )
+    return out
+
+
+def check_weights(tensors: dict[str, torch.Tensor], cfg: Eagle3Config, target: dict) -> list[Check]:
+    """fc width, lm_head / vocab-map shapes, and the vocab map's range against the target vocab."""
+    out: list[Check] = []
+    th, tv = target["hidden_size"], target["vocab_size"]
+    need = [
+        "fc.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight",
+    ]
+    missing = [k for k in need if k not in tensors]
+    _check(out, "weights present", not missing, "fc, midlayer, norm, lm_head", f"missing {missing}")
+    if missing:
+        return out
+    fc = tuple(tensors["fc.weight"].shape)
+    bad = f"{list(fc)}, expected [{cfg.hidden_size}, {3 * th}] (3 x target hidden)"
+    if fc[1] == th:
+        bad += ": one layer wide, an EAGLE(-1) drafter or features from the final layer only"
+    _check(out, "fc input = 3 x target hidden", fc == (cfg.hidden_size, 3 * th), f"{list(fc)}", bad)
+    n = tensors["lm_head.weight"].shape[0]
+    _check(
+        out,
+        "lm_head rows = draft_vocab_size",
+        n == cfg.draft_vocab_size,
+        f"{n}",
+        f"{n} != draft_vocab_size {cfg.draft_vocab_size}",
+    )
+    out += check_vocab_map(tensors.get("d2t"), tensors.get("t2d"), n, tv)
+    return out
+
+
+def check_vocab_map(
+    d2t: torch.Tensor | None, t2d: torch.Tensor | None, n_draft: int, v_target: int
+) -> list[Check]:
+    """target_id = draft_id + d2t[draft_id]: every id inside the target vocab, increasing, agreeing with t2d."""
+    out: list[Check] = []
+    if d2t is None:
+        _check(
+            out,
+            "d2t",
+            n_draft == v_target,
+            "absent (draft vocab = full vocab)",
+            f"absent while the draft vocab ({n_draft}) is smaller than the target's ({v_target})",
+        )
+        return out
+    if n_draft == v_target:
+        out.append(
+            Check(
+                "d2t",
+                False,
+                "present with a full-size draft vocab: vLLM 0.32 fails to load it (no "
+                "draft_id_to_target_id parameter); drop d2t/t2d",
+                "error",
+            )
+        )
+    ids = d2t.long() + torch.arange(len(d2t))
+    _check(out, "d2t length", len(d2t) == n_draft, f"{len(d2t)}", f"{len(d2t)} != draft vocab {n_draft}")
+    lo, hi = int(ids.min()), int(ids.max())
+    _check(
+        out,
+        "d2t range",
+        lo >= 0 and hi < v_target,
+        f"target ids in [{lo}, {hi}] < {v_target}",
+        f"target ids in [{lo}, {hi}], outside [0, {v_target})",
+    )
+    _check(
+        out,
+        "d2t increasing",
+        bool((ids[1:] > ids[:-1]).all()),
+        "d2t + arange strictly increasing",
+        "d2t + arange not strictly increasing (duplicate or unsorted target ids)",
+    )
+    if t2d is not None:
+        marked = t2d.bool().nonzero().flatten()
+        ok = len(t2d) == v_target and torch.equal(marked, ids.sort().values)
+        _check(
+            out,
+            "t2d agrees with d2t",
+            ok,
+            f"{int(t2d.sum())} kept of {len(t2d)}",
+            f"t2d (len {len(t2d)}, {int(t2d.sum())} set) does not mark exactly d2t's target ids",
+        )
+    return out
+
+
+def _flags(cmd: str) -> dict[str, str]:
+    """--flag value / --flag=value pairs of a command line (bare flags map to "")."""
+    toks, out = shlex.split(cmd), {}
+    for i, t in enumerate(toks):
+        if t.startswith("--"):
+            key, eq, val = t.partition("=")
+            nxt = toks[i + 1] if i + 1 < len(toks) else ""
+            out[key] = val if eq else ("" if nxt.startswith("--") else nxt)
+    return out
+
+
+def check_sglang_cmd(cmd: str, drafter_dir: str, target: str) -> list[Check]:
+    """The SGLang launch flags: EAGLE3 (not EAGLE), this drafter, this target, consistent step counts."""
+    f, out = _flags(cmd), []
+    algo = f.get("--speculative-algorithm", "")
+    bad = f"{algo!r}: must be EAGLE3"
+    if algo.upper() == "EAGLE":
+        bad += " (EAGLE drops fc and the aux layers: features 1 x hidden wide, acceptance ~1.0)"
+    _check(out, "sglang --speculative-algorithm", algo == "EAGLE3", "EAGLE3", bad)
+    path = f.get("--speculative-draft-model-path", "")
+    _check(
+        out,
+        "sglang --speculative-draft-model-path",
+        _same_path(path, drafter_dir),
+        path,
+        f"{path!r} is not the checked drafter {drafter_dir}",
+        "warning",
+    )
+    model = f.get("--model-path", f.get("--model", ""))
+    _check(
+        out,
+        "sglang --model-path",
+        _same_path(model, target),
+        model,
+        f"{model!r} != target {target}",
+        "warning",
+    )
+    steps, topk = (
+        int(f.get("--speculative-num-steps", 0) or 0),
+        int(f.get("--speculative-eagle-topk", 1) or 1),
+    )
+    tokens = int(f.get("--speculative-num-draft-tokens", 0) or 0)
+    if topk == 1:
+        _check(
+            out,
+            "sglang draft tokens = steps + 1",
+            tokens == steps + 1 and steps > 0,
+            f"{steps} steps, {tokens} draft tokens",
+            f"{steps} steps with topk 1 needs --speculative-num-draft-tokens {steps + 1}, got {tokens}",
+            "warning",
+        )
+    return out
+
+
+def check_vllm_spec(spec: dict, drafter_dir: str) -> list[Check]:
+    """vLLM's --speculative-config: method eagle3 (not eagle), this drafter, at least one token."""
+    out: list[Check] = []
+    method = spec.get("method")
+    _check(
+        out,
+        "vllm method",
+        method == "eagle3",
+        "eagle3",
+        f"{method!r}: must be 'eagle3' ('eagle' builds an EAGLE-1 head that cannot read this drafter)",
+    )
+    _check(
+        out,
+        "vllm model",
+        _same_path(str(spec.get("model", "")), drafter_dir),
+        str(spec.get("model")),
+        f"{spec.get('model')!r} is not the checked drafter {drafter_dir}",
+        "warning",
+    )
+    n = spec.get("num_speculative_tokens", 0)
+    _check(out, "vllm num_speculative_tokens", isinstance(n, int) and n >= 1, f"{n}", f"{n!r}: need >= 1")
+    return out
+
+
+def _same_path(a: str, b: str) -> bool:
+    if not a:
+        return False
+    pa, pb = Path(a), Path(b)
+    return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
+
+
+def launch_commands(
+    target: str,
+    drafter_dir: str,
+    fmt: str,
+    num_steps: int = 3,
+    topk: int = 1,
+    num_draft_tokens: int = 4,
+    tp: int = 1,
+    trust_remote_code: bool = False,
+) -> dict[str, str]:
+    """The exact SGLang and vLLM commands serving this target with this drafter."""
+    trust = ["--trust-remote-code"] if trust_remote_code else []
+    tp_s = ["--tp", str(tp)] if tp > 1 else []
+    sglang = [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        target,
+        *trust,
+        *tp_s,
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        drafter_dir,
+        "--speculative-num-steps",
+        str(num_steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(num_draft_tokens),
+    ]
+    spec = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": num_steps}
+    vllm = [
+        "vllm",
+        "serve",
+        target,
+        *trust,
+        *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
+        "--speculative-config",
+        json.dumps(spec),
+    ]
+    out = {"vllm": shlex.join(vllm)}
+    if fmt == "sglang":
+        out = {"sglang": shlex.join(sglang), **out}
+    return out
+
+
+def preflight(
+    drafter_dir: str | Path,
+    target: str,
+    sglang_cmd: str = "",
+    vllm_spec: dict | None = None,
+    trust_remote_code: bool = False,
+    target_config: dict | None = None,
+    **launch,
+) -> Preflight:
+    """Run every check on an export directory (either format); commands default to the generated ones."""
+    d = str(drafter_dir)
+    try:
+        fmt, cfg = export.read_config(d)
+    except export.ExportError as e:
+        return Preflight(d, "unknown", [Check("config.json", False, str(e))])
+    rep = Preflight(d, fmt)
+    tcfg = target_config or target_text_config(target, trust_remote_code)
+    rep.checks += check_config(fmt, cfg, tcfg)
+    try:
+        dcfg = export.drafter_config(fmt, cfg, default_aux_layers(tcfg["num_hidden_layers"]))
+        rep.checks += check_weights(export.read_tensors(d, fmt), dcfg, tcfg)
+    except (export.ExportError, KeyError, ValueError, OSError) as e:
+        rep.checks.append(Check("weights", False, f"{type(e).__name__}: {e}"))
+    rep.commands = launch_commands(target, d, fmt, trust_remote_code=trust_remote_code, **launch)
+    if fmt == "sglang":
+        rep.checks += check_sglang_cmd(sglang_cmd or rep.commands["sglang"], d, target)
+    gen_spec = json.loads(shlex.split(rep.commands["vllm"])[-1])
+    rep.checks += check_vllm_spec(vllm_spec or gen_spec, d)
+    return rep
+
+
+COLLAPSE_CAUSES = [
+    "SGLang started with --speculative-algorithm EAGLE instead of EAGLE3: fc and the aux layers are dropped, "
+    "the drafter sees a 1 x hidden feature",
+    "vLLM --speculative-config with method 'eagle' instead of 'eagle3'",
+    "aux layer ids in the other engine's convention (SGLang eagle_config ids are layer outputs, vLLM's "
+    "top-level ids are HF hidden_states indices = +1): the drafter reads the wrong layers",
+    "vocab map not applied (d2t missing or for another vocab): drafts land on the wrong target ids",
+    "drafter trained for another target, tokenizer or chat template than the server's",
+    "speculators config without norm_before_residual: false (vLLM then assumes true)",
+    "requests sampled with temperature > 0 or penalties while tau was measured greedily offline",
+]
+
+
+def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: float = 0.2) -> dict:
+    """Compare online with offline tau: verdict agree | lower | higher | collapsed | no_online, with causes."""
+    if online_tau is None or online_tau != online_tau:
+        return {"verdict": "no_online", "message": "no online acceptance measured", "causes": []}
+    if online_tau < 1.1 and (offline_tau is None or offline_tau > 1.3):
+        ref = "" if offline_tau is None else f" while offline tau is {offline_tau:.2f}"
+        return {
+            "verdict": "collapsed",
+            "causes": COLLAPSE_CAUSES,
+            "message": f"online tau {online_tau:.2f} ~ 1.0{ref}: the server accepts almost no drafts",
+        }
+    if offline_tau is None:
+        return {
+            "verdict": "online_only",
+            "message": f"online tau {online_tau:.2f} (no offline tau)",
+            "causes": [],
+        }
+    gap = online_tau - offline_tau
+    if abs(gap) <= tolerance:
+        return {
+            "verdict": "agree",
+            "causes": [],
+            "message": f"online tau {online_tau:.2f} agrees with offline {offline_tau:.2f} (±{tolerance})",
+        }
+    verdict = "lower" if gap < 0 else "higher"
+    causes = COLLAPSE_CAUSES[2:] + ["bf16/fp16 serving vs fp32 offline (near-ties flip)", "different prompts"]
+    return {
+        "verdict": verdict,
+        "causes": causes if gap < 0 else ["different prompts or stopping rules"],
+        "message": f"online tau {online_tau:.2f} is {verdict} than offline {offline_tau:.2f} by {abs(gap):.2f}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eagle_lib.preflight", description=__doc__.split("\n")[0])
+    p.add_argument("drafter_dir", help="an export directory (sglang or speculators format)")
+    p.add_argument("--target", required=True, help="target model dir, hub id, or its config.json")
+    p.add_argument("--sglang-cmd", default="", help="the intended SGLang launch command line")
+    p.add_argument("--vllm-spec", default="", help="the intended vLLM --speculative-config JSON")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the printed commands")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    rep = preflight(
+        a.drafter_dir,
+        a.target,
+        a.sglang_cmd,
+        json.loads(a.vllm_spec) if a.vllm_spec else None,
+        a.trust_remote_code,
+        tp=a.tp,
+    )
+    print(json.dumps(rep.to_dict(), indent=2) if a.json else rep.text())
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""CLI: ``python -m eagle_lib.toy build [--force]`` builds the toy world and prints its dir and build-log summary;
+``python -m eagle_lib.toy resolve URI`` prints the local path of a toy:// URI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from eagle_lib.toy import world
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m eagle_lib.toy", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build (or reuse the cached) toy world")
+    b.add_argument("--force", action="store_true", help="rebuild even if a cached world exists")
+    r = sub.add_parser("resolve", help="print the local path of a toy:// URI")
+    r.add_argument("uri")
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        root = world.build(force=args.force, log=lambda *a: print(*a, file=sys.stderr, flush=True))
+        print(root)
+        print(world.summary(json.loads((root / "build_log.json").read_text())))
+        return 0
+    try:
+        print(world.resolve(args.uri))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

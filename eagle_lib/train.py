@@ -1,0 +1,412 @@
+"""Stage 05: train an EAGLE-3 drafter on A records + B responses with the target's hidden states.
+
+Writes ``run_dir/drafter/``: ``vocab/`` (cached draft-vocab maps), ``checkpoints/step_NNNNNNN/`` (drafter
+safetensors + ``trainer.pt`` with optimizer, scheduler and log history; ``COMPLETE`` written last),
+``train_log.jsonl`` (one line per optimizer step), ``final/`` (`eagle_lib.drafter.load_drafter` reads it;
+``summary.json`` beside the weights), ``summary.json`` and ``meta.json``.
+
+A rerun with ``resume: true`` continues from the newest complete checkpoint of the same settings; the data
+order is a pure function of (seed, step), so the resumed loss curve equals an uninterrupted one.
+``nproc_per_node > 1`` relaunches this module under torchrun (DDP or FSDP, `eagle_lib.distributed`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from eagle_lib import batches, checkpoints, distributed, models, params, store, ttt, vocab
+from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, init_from_target, save_state
+
+STAGE = "05_train_eagle3"
+# settings that do not change the trained weights (may differ on resume)
+_NOT_IN_FINGERPRINT = {
+    "checkpoint_every",
+    "keep_checkpoints",
+    "resume",
+    "log_every",
+    "stop_after_steps",
+    "max_eval_samples",
+    "nproc_per_node",
+    "num_threads",
+    "distributed",
+    "export_dtype",
+    "attention",
+    "num_speculative_tokens",
+}
+
+
+class Params(params.Strict):
+    """Stage 05 parameters (defaults train the toy drafter in a few CPU minutes)."""
+
+    hidden_source: str = "online"  # online: run the HF target | offline: engine dumps in hidden_dump_dir
+    hidden_dump_dir: str = (
+        ""  # dir of hs_{i}.safetensors (token_ids [T], hidden_states [T, 4, H]); offline only
+    )
+    aux_layers: list[int] = []  # target decoder layers (0-based) feeding fc; empty means [1, L//2-1, L-4]
+    draft_vocab_size: int = 1024  # N: lm_head over the N most frequent label tokens
+    ttt_preset: str = (
+        "eagle"  # eagle, specforge (k 7, decay 0.8) | speculators (3, 1.0) | modelopt (3, 0.9) | custom
+    )
+    ttt_steps: int = 0  # TTT unroll length k; 0 takes the preset's
+    loss_decay: float = 0.0  # weight of step i is decay**i; 0 takes the preset's
+    epochs: int = 3  # passes over the training rows (ignored when max_steps > 0)
+    max_steps: int = 0  # optimizer steps; 0 means epochs x steps per epoch
+    learning_rate: float = 1e-3  # AdamW peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 10  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: list[float] = [0.9, 0.95]  # AdamW betas
+    grad_clip: float = 0.5  # max global grad norm
+    grad_accum: int = 1  # micro-batches per optimizer step (per process)
+    rows_per_batch: int = 4  # packed rows per micro-batch
+    pack_len: int = 1024  # tokens per packed row
+    max_seq_len: int = 1024  # longer sequences are truncated (at most pack_len)
+    max_train_samples: int = 0  # cap on training sequences; 0 means all
+    max_eval_samples: int = 64  # held-out sequences for the final acc table; 0 means all
+    init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocab
+    attention: str = (
+        "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | auto
+    )
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    nproc_per_node: int = 1  # >1: relaunch under torchrun with this many processes
+    distributed: str = "ddp"  # ddp | fsdp (shards drafter, grads and optimizer state; large drafters)
+    checkpoint_every: int = 50  # optimizer steps between checkpoints (and at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept
+    resume: bool = True  # continue from the newest complete checkpoint with the same settings
+    stop_after_steps: int = 0  # stop this invocation after so many steps (time-boxed jobs); 0 runs to the end
+    log_every: int = 10  # print a progress line every so many steps
+    max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before training aborts
+    num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    export_dtype: str = "float32"  # float32 | bfloat16 | float16 for the SGLang / speculators exports
+    num_speculative_tokens: int = 3  # written into the speculators export's proposal config
+
+
+def fingerprint(cfg: params.StageConfig) -> str:
+    p = {k: v for k, v in cfg.stage.model_dump().items() if k not in _NOT_IN_FINGERPRINT}
+    return store.stable_hash({"stage": p, "shared": cfg.shared.model_dump(exclude={"num_workers", "device"})})
+
+
+def run(cfg: params.StageConfig) -> dict:
+    """Train (or resume) and return the summary; relaunches itself under torchrun when asked."""
+    p = cfg.stage
+    if p.nproc_per_node > 1 and not distributed.launched():
+        out = cfg.out("drafter")
+        out.mkdir(parents=True, exist_ok=True)
+        spec = out / "launch.json"
+        store.write_json(
+            spec, {"run_dir": str(cfg.run_dir), "shared": cfg.shared.model_dump(), "stage": p.model_dump()}
+        )
+        (out / "summary.json").unlink(missing_ok=True)
+        distributed.launch(p.nproc_per_node, ["-m", "eagle_lib.train", str(spec)])
+        done = out / "summary.json"
+        return store.read_json(done if done.exists() else out / "stopped.json")
+    return train(cfg)
+
+
+# --- setup -------------------------------------------------------------------------------------------
+def _source(cfg, device, hf_config):
+    """(hidden source, embedding (V, H), target lm_head or None, keep(ids) filter or None)."""
+    p = cfg.stage
+    if p.hidden_source == "online":
+        target = models.load_target(cfg.shared, device=str(device))
+        aux = p.aux_layers or Eagle3Config.from_target_config(hf_config, 1).aux_layers
+        from eagle_lib.hidden import OnlineHidden
+
+        emb = target.get_input_embeddings().weight
+        return OnlineHidden(target, aux), emb, target.get_output_embeddings().weight, None
+    if p.hidden_source == "offline":
+        from eagle_lib import hidden
+
+        if not p.hidden_dump_dir:
+            raise params.ParamsError(f"{STAGE}: hidden_source offline needs hidden_dump_dir")
+        tgt = models.resolve(cfg.shared.target)
+        head = hidden.load_target_head(tgt, hf_config)
+        text = hf_config.get_text_config()
+        src = hidden.OfflineHidden(p.hidden_dump_dir, head, text.hidden_size, device)
+        return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
+    raise params.ParamsError(f"{STAGE}: hidden_source {p.hidden_source!r}: choose online or offline")
+
+
+def _vocab(cfg, train_seqs, vocab_size: int):
+    p = cfg.stage
+    tok_fp = vocab.tokenizer_fingerprint(models.load_tokenizer(cfg.shared))
+    data_fp = batches.data_fingerprint(
+        cfg.run_dir,
+        heldout=cfg.shared.heldout_percent,
+        max_seq_len=p.max_seq_len,
+        max_train=p.max_train_samples,
+        source=p.hidden_source,
+    )
+    key = vocab.cache_key(tok_fp, data_fp, p.draft_vocab_size)
+
+    def seqs():
+        return ((s.input_ids, s.loss_mask) for s in train_seqs)
+
+    vdir = cfg.out("drafter", "vocab")
+    if distributed.is_main():
+        res = vocab.load_or_build(vdir, key, p.draft_vocab_size, vocab_size, seqs)
+    distributed.barrier()
+    if not distributed.is_main():
+        res = vocab.load_or_build(vdir, key, p.draft_vocab_size, vocab_size, seqs)
+    d2t, t2d, counts, cached = res
+    return (
+        d2t,
+        t2d,
+        {
+            "key": key,
+            "coverage": vocab.coverage(counts, t2d),
+            "from_cache": cached,
+            "label_tokens": int(counts.sum()),
+            "distinct_label_tokens": int((counts > 0).sum()),
+            "majority_share": float(counts.max() / max(1, counts.sum())),
+        },
+    )
+
+
+def _schedule(p: Params, total: int):
+    def lr_lambda(step: int) -> float:
+        if step < p.warmup_steps:
+            return (step + 1) / p.warmup_steps
+        frac = min(1.0, (step - p.warmup_steps) / max(1, total - p.warmup_steps))
+        return p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return lr_lambda
+
+
+# --- loop ----------------------------------------------------------------------------------------------
+def _to(batch: batches.Batch, device):
+    return [x.to(device) for x in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)]
+
+
+def _micro_step(model, source, batch, device, autocast: bool, accum: int, sync: bool):
+    aux, tlogits = source(batch)
+    ids, pos, doc, mask = _to(batch, device)
+    with distributed.no_sync(model, not sync), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+        loss, stats = model(ids, pos, doc, mask, aux, tlogits)
+        (loss / accum).backward()
+    return stats.detach()
+
+
+def evaluate(model, source, seqs, p: Params, device, autocast: bool) -> dict:
+    """TTT metrics (teacher-forced acc_i etc.) over held-out sequences, no gradients."""
+    if not seqs:
+        return {}
+    rows = batches.pack([len(s.input_ids) for s in seqs], p.pack_len)
+    total = None
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+        for i in range(0, len(rows), p.rows_per_batch):
+            batch = batches.make_batch(seqs, rows[i : i + p.rows_per_batch], batches.PAD_TO)
+            aux, tlogits = source(batch)
+            _, stats = model(*_to(batch, device), aux, tlogits)
+            total = stats if total is None else total + stats
+    model.train()
+    return ttt.summarize(total)
+
+
+def _log_row(step, lr, stats, gnorm, tokens, seconds, decay) -> dict:
+    m = ttt.summarize(stats)
+    return {
+        "step": step,
+        "lr": lr,
+        "loss": ttt.weighted_loss(m["loss"], decay),
+        "loss_k": m["loss"],
+        "acc_k": m["acc"],
+        "cond_acc_k": m["cond_acc"],
+        "sim_tau": m["sim_tau"],
+        "grad_norm": gnorm,
+        "tokens": tokens,
+        "seconds": seconds,
+    }
+
+
+def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, config):
+    p, out = cfg.stage, cfg.out("drafter")
+    rank, world, _ = distributed.world()
+    group = world * p.grad_accum
+    start, history = checkpoints.resume(out, model, opt, sched, fp) if p.resume else (0, [])
+    log = out / "train_log.jsonl"
+    if distributed.is_main():  # the log restarts from the resumed checkpoint's history
+        tmp = log.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        store.append_jsonl(tmp, history)
+        tmp.touch()
+        tmp.replace(log)
+    autocast = _autocast(p, device)
+    params_ = [q for q in model.parameters() if q.requires_grad]
+    bad, stop = 0, (start + p.stop_after_steps if p.stop_after_steps else total)
+    for step in range(start, min(total, stop)):
+        t0 = time.perf_counter()
+        stats, tokens = torch.zeros(k, ttt.N_STATS, device=device), 0
+        for a in range(p.grad_accum):
+            batch = stream.micro_batch(step * group + rank * p.grad_accum + a)
+            stats += _micro_step(model, source, batch, device, autocast, p.grad_accum, a == p.grad_accum - 1)
+            tokens += batch.n_tokens
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params_, p.grad_clip))
+        bad = bad + 1 if not math.isfinite(gnorm) else 0
+        if bad > p.max_bad_steps:
+            raise FloatingPointError(
+                f"{STAGE}: {bad} consecutive steps with non-finite gradients (last {step})"
+            )
+        if bad == 0:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        lr = sched.get_last_lr()[0]
+        with warnings.catch_warnings():  # a skipped step still advances the schedule (it is per step)
+            warnings.simplefilter("ignore", UserWarning)
+            sched.step()
+        stats = distributed.all_reduce_sum(stats)
+        tokens = int(distributed.all_reduce_sum(torch.tensor(tokens, device=device)))
+        row = _log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
+        row["skipped"] = bad > 0
+        history.append(row)
+        if distributed.is_main():
+            store.append_jsonl(log, [row], fsync=False)
+            if (step + 1) % p.log_every == 0 or step == 0:
+                print(
+                    f"step {step + 1}/{total} loss {row['loss']:.4f} acc_0 {row['acc_k'][0]:.3f} "
+                    f"tok/s {tokens / row['seconds']:.0f}",
+                    flush=True,
+                )
+        if (step + 1) % p.checkpoint_every == 0 or step + 1 == total:
+            checkpoints.save(out, model, opt, sched, step + 1, fp, history, config, p.keep_checkpoints)
+    return history
+
+
+def _autocast(p: Params, device) -> bool:
+    if p.precision not in ("auto", "fp32", "bf16"):
+        raise params.ParamsError(f"{STAGE}: precision {p.precision!r}: choose auto, fp32 or bf16")
+    return p.precision == "bf16" or (p.precision == "auto" and device.type == "cuda")
+
+
+# --- the stage -----------------------------------------------------------------------------------------
+def build(cfg: params.StageConfig, device):
+    """Sequences, hidden source and a drafter initialised from the target (shared by train and tests)."""
+    from transformers import AutoConfig
+
+    p = cfg.stage
+    if p.max_seq_len > p.pack_len:
+        raise params.ParamsError(f"{STAGE}: max_seq_len {p.max_seq_len} > pack_len {p.pack_len}")
+    hf_config = AutoConfig.from_pretrained(
+        models.resolve(cfg.shared.target), trust_remote_code=cfg.shared.trust_remote_code
+    )
+    source, embed, lm_head, keep = _source(cfg, device, hf_config)
+    train_seqs, held, tally = batches.load_sequences(
+        cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples, p.max_eval_samples, keep
+    )
+    config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
+    d2t, t2d, vinfo = _vocab(cfg, train_seqs, config.vocab_size)
+    torch.manual_seed(cfg.shared.seed)
+    drafter = Eagle3Drafter(config)
+    drafter.set_vocab_map(d2t, t2d)
+    init_from_target(
+        drafter,
+        embed.detach().float().cpu(),
+        lm_head.detach().float().cpu() if p.init_lm_head_from_target else None,
+    )
+    return source, drafter.to(device), train_seqs, held, tally, vinfo
+
+
+def train(cfg: params.StageConfig) -> dict:
+    """The stage body (one process of a torchrun job, or the only one)."""
+    p, out, t_start = cfg.stage, cfg.out("drafter"), time.time()
+    if p.num_threads:
+        torch.set_num_threads(p.num_threads)
+    device = distributed.init(models.pick_device(cfg.shared.device))
+    k, decay = ttt.resolve_preset(p.ttt_preset, p.ttt_steps, p.loss_decay)
+    source, drafter, train_seqs, held, tally, vinfo = build(cfg, device)
+    stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
+    world = distributed.world()[1]
+    total = p.max_steps or max(1, p.epochs * stream.per_epoch // (world * p.grad_accum))
+    attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
+    model = distributed.wrap(ttt.TTT(drafter, k, decay, attn), p.distributed, device)
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(
+        trainable, lr=p.learning_rate, betas=tuple(p.adam_betas), weight_decay=p.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(p, total))
+    if not p.resume and distributed.is_main() and (out / "checkpoints").exists():
+        shutil.rmtree(out / "checkpoints")
+    distributed.barrier()
+    fp = fingerprint(cfg)
+    history = _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, drafter.config)
+    if len(history) < total:  # stop_after_steps: the next run resumes
+        stopped = {"stopped_at_step": len(history), "total_steps": total}
+        if distributed.is_main():
+            store.write_json(out / "stopped.json", stopped)
+        distributed.shutdown()
+        return stopped
+    heldout = evaluate(model, source, held, p, device, _autocast(p, device))
+    summary = _summary(history, heldout, vinfo, tally, k, decay, total, world)
+    _finish(cfg, model, drafter.config, summary, tally, t_start)
+    distributed.shutdown()
+    return summary
+
+
+def _summary(history, heldout, vinfo, tally, k, decay, total, world) -> dict:
+    secs = sum(r["seconds"] for r in history) or float("nan")
+    last = history[-1]
+    return {
+        "steps": total,
+        "ttt_steps": k,
+        "loss_decay": decay,
+        "world_size": world,
+        "train_sequences": tally.kept,
+        "heldout_sequences": tally.heldout,
+        "train_tokens": sum(r["tokens"] for r in history),
+        "tokens_per_s": sum(r["tokens"] for r in history) / secs,
+        "final_train_loss": last["loss"],
+        "final_train_acc_k": last["acc_k"],
+        "heldout": heldout,
+        "vocab": vinfo,
+    }
+
+
+def _finish(cfg, model, config, summary, tally, t_start) -> None:
+    model_state = distributed.full_model_state(model)
+    if not distributed.is_main():
+        return
+    out = cfg.out("drafter")
+    save_state(checkpoints.drafter_state(model_state), config, out / "final", {"training": summary})
+    store.write_json(out / "final" / "summary.json", summary)
+    store.write_json(out / "summary.json", summary)
+    (out / "stopped.json").unlink(missing_ok=True)
+    dropped = dict(tally.dropped, heldout_for_eval=tally.heldout)
+    store.write_json(
+        out / "meta.json",
+        {
+            "read": tally.read,
+            "kept": tally.kept,
+            "dropped": dropped,
+            "rejected": 0,
+            "truncated": tally.truncated,
+            "params": cfg.stage.model_dump(),
+            "shared": cfg.shared.model_dump(),
+            "inputs": batches.data_fingerprint(cfg.run_dir),
+            "fingerprint": fingerprint(cfg),
+            "started": t_start,
+            "finished": time.time(),
+            "seconds": time.time() - t_start,
+        },
+    )
+
+
+def main(argv: list[str]) -> None:
+    """torchrun entry: ``python -m eagle_lib.train <drafter/launch.json>``."""
+    spec = json.loads(Path(argv[0]).read_text())
+    cfg = params.StageConfig(
+        STAGE, Path(spec["run_dir"]), params.SharedParams(**spec["shared"]), Params(**spec["stage"])
+    )
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

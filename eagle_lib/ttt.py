@@ -1,0 +1,170 @@
+"""Training-time test (TTT): the EAGLE-3 unroll, its loss and its acceptance metrics.
+
+Step ``i`` (0-based) at row index ``t`` simulates draft step ``i`` after a prefix ending at position ``t``
+(see `eagle_lib.drafter` for the inference alignment):
+
+* input token ``x[t+1+i]`` (the true token; the chain only continues when the drafts were right),
+  position ``t + i``, hidden = ``fc(f_t)`` at step 0, else the step ``i-1`` output hidden at ``t``;
+* attention: step-0 keys at rows ``s <= t`` of the same sequence, plus the keys of steps ``1..i`` at row
+  ``t`` only (the diagonal), exactly the keys a drafter sees at draft step ``i`` in vLLM / SGLang;
+* target: the target's distribution at position ``t+1+i`` (it predicts ``x[t+2+i]``) restricted to the
+  draft vocab and renormalized; label position ``t+2+i`` must have ``loss_mask`` set and lie in the same
+  sequence.
+
+Loss = sum_i decay^i * mean soft cross-entropy over label positions whose target argmax is in the draft
+vocab. ``acc_i`` counts every label position (an argmax outside the draft vocab is a miss, as it is at
+serving time); ``cond_acc_i`` is acc given steps ``< i`` were right at the same row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_lib.drafter import Eagle3Drafter
+
+# (steps k, per-step loss decay) of the public trainers
+PRESETS = {"eagle": (7, 0.8), "specforge": (7, 0.8), "speculators": (3, 1.0), "modelopt": (3, 0.9)}
+
+# columns of the per-step stats tensor (sums, so micro-batches and ranks add up)
+LOSS_SUM, N_LOSS, N_CORRECT, N_LABELS, COND_NUM, COND_DEN = range(6)
+N_STATS = 6
+
+
+def resolve_preset(preset: str, steps: int, decay: float) -> tuple[int, float]:
+    """Named preset, with explicit non-zero steps / decay overriding it."""
+    if preset not in PRESETS and preset != "custom":
+        raise ValueError(f"ttt_preset {preset!r}: choose one of {sorted(PRESETS)} or custom")
+    k, d = PRESETS.get(preset, (0, 0.0))
+    k, d = steps or k, decay or d
+    if k < 1 or d <= 0:
+        raise ValueError(f"TTT needs steps >= 1 and decay > 0 (got {k}, {d}); set ttt_steps and loss_decay")
+    return k, d
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 -> fp32 for softmax and loss; fp32/fp64 unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n] along dim 1, filling the last n with ``fill``."""
+    if n >= x.shape[1]:
+        return torch.full_like(x, fill)
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_attention(q, k0, v0, mask0, ks: list, vs: list) -> torch.Tensor:
+    """q (B,h,T,D) over step-0 keys k0/v0 (B,h,T,D) under mask0 (B,1,T,T) and diagonal keys ks/vs."""
+    q = q * q.shape[-1] ** -0.5  # scale the (T, D) side, not the (T, T) scores
+    s = at_least_fp32(torch.matmul(q, k0.transpose(-1, -2)))  # (B, h, T, T)
+    s.masked_fill_(~mask0, float("-inf"))  # in place: matmul's backward needs q and k, not s
+    if ks:
+        diag = at_least_fp32(torch.stack([(q * k).sum(-1) for k in ks], dim=-1))  # (B, h, T, i)
+        s = torch.cat([s, diag], dim=-1)
+    p = torch.softmax(s, dim=-1).to(v0.dtype)
+    t = k0.shape[2]
+    out = torch.matmul(p[..., :t], v0)
+    for j, v in enumerate(vs):
+        out = out + p[..., t + j, None] * v
+    return out
+
+
+def ttt_attention_sdpa(q, k0, v0, mask0, ks: list, vs: list) -> torch.Tensor:
+    """Same result as `ttt_attention`, through one SDPA call over the keys of all steps.
+
+    The keys of steps 0..i are concatenated (B, h, (i+1)T, D) under a mask that keeps the step-0 block's
+    mask0 and only the diagonal of every later block. On GPU this runs the memory-efficient kernel (no
+    (T, T) score tensor kept for backward), at (i+1) times the attention FLOPs of the eager path.
+    """
+    t = q.shape[2]
+    if not ks:
+        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask0)
+    eye = torch.eye(t, dtype=torch.bool, device=q.device).expand(mask0.shape)
+    mask = torch.cat([mask0] + [eye] * len(ks), dim=-1)  # (B, 1, T, (i+1)T)
+    return F.scaled_dot_product_attention(q, torch.cat([k0, *ks], 2), torch.cat([v0, *vs], 2), attn_mask=mask)
+
+
+ATTENTION = {"eager": ttt_attention, "sdpa": ttt_attention_sdpa}
+
+
+class TTT(nn.Module):
+    """Wraps the drafter so one forward = one TTT unroll (DDP/FSDP wrap this module)."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "eager"):
+        super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention {attention!r}: choose one of {sorted(ATTENTION)}")
+        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.attention = ATTENTION[attention]
+
+    def forward(self, input_ids, position_ids, doc_ids, loss_mask, aux, target_logits):
+        """Returns (weighted loss, stats (k, N_STATS) of sums). aux (B,T,3H_t), target_logits (B,T,V)."""
+        d = self.drafter
+        c = d.config
+        rep = c.num_attention_heads // c.num_key_value_heads
+        with torch.no_grad():
+            t_arg = target_logits.argmax(-1)  # (B, T) target ids
+            t_in = d.t2d[t_arg]  # (B, T) argmax in the draft vocab
+            t_logp = at_least_fp32(target_logits[..., d.draft_ids()]).log_softmax(-1)  # (B, T, N)
+            same = doc_ids[:, :, None] == doc_ids[:, None, :]
+            mask0 = (same & torch.ones_like(same).tril())[:, None]  # (B, 1, T, T)
+        hidden = d.project(aux.to(d.fc.weight.dtype))  # (B, T, H)
+        k0 = v0 = None
+        ks, vs = [], []
+        prefix = torch.ones_like(loss_mask)
+        total = at_least_fp32(hidden.new_zeros(()))
+        stats = []
+        for i in range(self.steps):
+            q, k, v, res = d.qkv(shift(input_ids, 1 + i, 0), hidden, position_ids + i)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            if i == 0:
+                k0, v0 = k, v
+            else:
+                ks.append(k)
+                vs.append(v)
+            hidden = d.finish(self.attention(q, k0, v0, mask0, ks, vs), res)  # (B, T, H)
+            labels = shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids)  # (B, T)
+            logits = at_least_fp32(d.head(hidden[labels]))  # (n, N) only at label rows
+            tgt_logp = shift(t_logp, 1 + i, 0.0)[labels]
+            tgt_arg = shift(t_arg, 1 + i, -1)[labels]
+            in_vocab = shift(t_in, 1 + i, False)[labels]
+            ce = -(tgt_logp.exp() * logits.log_softmax(-1)).sum(-1)  # (n,)
+            loss_sum = (ce * in_vocab).sum()
+            n_loss = in_vocab.sum()
+            total = total + self.decay**i * loss_sum / n_loss.clamp(min=1)
+            with torch.no_grad():
+                correct = torch.zeros_like(labels)
+                correct[labels] = d.draft_ids()[logits.argmax(-1)] == tgt_arg
+                den = (labels & prefix).sum()
+                prefix = prefix & labels & correct
+                row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]
+                stats.append(torch.stack([x.float() for x in row]))
+        return total, torch.stack(stats)
+
+
+def summarize(stats: torch.Tensor) -> dict:
+    """Per-step metrics from summed stats (k, N_STATS): loss_i, acc_i, cond_acc_i, sim_tau, chain_tau."""
+    s = stats.double().cpu()
+
+    def ratio(a, b):
+        return [float(x / y) if y > 0 else float("nan") for x, y in zip(s[:, a], s[:, b], strict=True)]
+
+    acc = ratio(N_CORRECT, N_LABELS)
+    out = {"loss": ratio(LOSS_SUM, N_LOSS), "acc": acc, "cond_acc": ratio(COND_NUM, COND_DEN)}
+    prod, tau = 1.0, 1.0
+    for a in acc:
+        prod *= a if a == a else 0.0
+        tau += prod
+    out["sim_tau"] = tau
+    n0 = float(s[0, N_LABELS])
+    out["chain_tau"] = 1.0 + (float(s[:, COND_NUM].sum()) / n0 if n0 else 0.0)
+    out["n_labels"] = int(n0)
+    return out
+
+
+def weighted_loss(per_step: list[float], decay: float) -> float:
+    """The scalar training loss from per-step mean losses (for logs)."""
+    return float(sum(decay**i * x for i, x in enumerate(per_step) if x == x))

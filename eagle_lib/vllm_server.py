@@ -1,0 +1,174 @@
+"""Start, wait for and stop a local vLLM OpenAI-compatible server (tests, stage 03 checks, stage 06 drafters).
+
+    with start_vllm("path/to/model", extra_args=["--speculative-config", json.dumps({...})]) as srv:
+        requests.post(srv.base_url + "/v1/completions", ...)
+
+vLLM runs from its own virtual environment (`.venv-vllm`, made by scripts/install_vllm_cpu.sh) because its
+pinned torch/transformers differ from the project's. The server binds 127.0.0.1 on a free port, runs in its
+own process group (stopped by PID: SIGTERM to the group, SIGKILL after a grace period) and logs to a file
+whose tail is quoted in every error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # environment variable overriding the vLLM interpreter
+
+
+class VllmServerError(RuntimeError):
+    """The server could not start or answer: the message carries the command and the log tail."""
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM venv: $EAGLE_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
+    return Path(os.environ.get(VLLM_PYTHON_ENV) or REPO_ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(kv_cache_gib: int = 1, threads: int | None = None) -> dict[str, str]:
+    """Environment for the CPU backend: a small KV cache, optionally a thread cap."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    return env
+
+
+@dataclass
+class VllmServer:
+    """A running server: `base_url`, `model` (the served name), `log_path`; `stop()` ends it."""
+
+    proc: subprocess.Popen
+    port: int
+    model: str
+    log_path: Path
+    cmd: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; idempotent."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def wait_ready(srv: VllmServer, timeout_s: float) -> None:
+    """Poll /health and /v1/models until the server answers; raise with the log tail if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not srv.alive():
+            raise VllmServerError(
+                f"vLLM exited with code {srv.proc.returncode} while starting\n"
+                f"command: {' '.join(srv.cmd)}\nlog {srv.log_path}:\n{srv.log_tail()}"
+            )
+        try:
+            _get_json(srv.base_url + "/health")
+            models = _get_json(srv.base_url + "/v1/models")
+            if models and models.get("data"):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            pass
+        time.sleep(1.0)
+    srv.stop()
+    raise VllmServerError(
+        f"vLLM not ready after {timeout_s:.0f}s\ncommand: {' '.join(srv.cmd)}\n{srv.log_tail()}"
+    )
+
+
+def start_vllm(
+    model_dir: str | Path,
+    port: int | None = None,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    *,
+    tokenizer: str | Path | None = None,
+    dtype: str = "float32",
+    max_model_len: int = 1024,
+    served_name: str | None = None,
+    startup_timeout_s: float = 600.0,
+    log_dir: str | Path | None = None,
+    python: str | Path | None = None,
+) -> VllmServer:
+    """Start `vllm serve`-equivalent on 127.0.0.1 and wait until it answers; returns the handle (a context manager).
+
+    `extra_args` are appended to the command line (e.g. a speculative config); `env` adds to a CPU-friendly
+    environment (`cpu_env()`). fp32 is the default dtype so greedy ids can be compared with an fp32 reference.
+    """
+    py = Path(python) if python else vllm_python()
+    if not py.exists():
+        raise VllmServerError(
+            f"no vLLM interpreter at {py}: run scripts/install_vllm_cpu.sh or set {VLLM_PYTHON_ENV}"
+        )
+    port = port or free_port()
+    name = served_name or Path(model_dir).name
+    # Not `vllm serve`: its CLI asks for the version of a distribution named "vllm", which vllm-cpu is not.
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    cmd += ["--max-model-len", str(max_model_len), "--enforce-eager", "--disable-log-stats"]
+    if tokenizer:
+        cmd += ["--tokenizer", str(tokenizer)]
+    cmd += list(extra_args or [])
+    full_env = {**os.environ, **cpu_env(), **(env or {})}
+    log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+    srv = VllmServer(proc, port, name, log_path, cmd)
+    try:
+        wait_ready(srv, startup_timeout_s)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv

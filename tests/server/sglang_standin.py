@@ -1,0 +1,280 @@
+"""A local stand-in for an SGLang server (and a minimal OpenAI `/v1/completions`), with fault injection.
+
+SGLang itself cannot run on these CPU machines, so the SGLang engine is tested against this server, which
+implements the documented native contract (docs.sglang.io "SGLang Native APIs" / "Sampling Parameters",
+io_struct.GenerateReqInput):
+  POST /generate {"input_ids": [...], "sampling_params": {"max_new_tokens", "temperature", "top_p",
+                  "stop_token_ids", ...}} -> {"text", "output_ids", "meta_info": {"id", "finish_reason":
+                  {"type": "stop", "matched": id} | {"type": "length", "length": n}, "prompt_tokens",
+                  "completion_tokens", "e2e_latency"}}   (output_ids keep the matched stop token, as SGLang's do)
+  GET /health, GET /get_model_info {"model_path", ...}, POST /tokenize {"prompt"} -> {"tokens", "count"}
+Tokens come from a real model (greedy/sampled through eagle_lib.engines.EmbeddedEngine, one request at a time).
+
+Faults are planned per prompt (key = `prompt_key(input_ids)`): a list of actions consumed one per request,
+then "ok"; optionally a random rate of transient faults. Actions: ok, 500, 502, 503, 429, 400, 404,
+malformed (200, not JSON), bad_schema (200, no output_ids), out_of_vocab, abort, reset (connection closed),
+timeout (answer after `timeout_sleep_s`).
+
+Run standalone:  python -m tests.server.sglang_standin --model DIR --port P [--faults JSON] [--tokenizer DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+TRANSIENT = ["500", "503", "429", "reset"]
+STATE: web.AppKey = web.AppKey("state", object)
+
+
+def prompt_key(ids: list[int]) -> str:
+    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Faults:
+    plans: dict[str, list[str]] = field(default_factory=dict)
+    random_rate: float = 0.0
+    random_actions: list[str] = field(default_factory=lambda: list(TRANSIENT))
+    seed: int = 0
+    timeout_sleep_s: float = 5.0
+    delay_s: float = 0.0  # added to every request (slow server)
+    trim_stop: bool = False  # reply without the matched stop token (the engine must restore it)
+
+    @classmethod
+    def from_json(cls, text: str) -> Faults:
+        return cls(**json.loads(text)) if text else cls()
+
+
+class StandIn:
+    """The server state: model, tokenizer, fault plans, request log."""
+
+    def __init__(self, model_dir: str, tokenizer_dir: str | None = None, faults: Faults | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+        self.faults = faults or Faults()
+        self.rng = random.Random(self.faults.seed)
+        self.counts: dict[str, int] = {}
+        self.log: list[tuple[str, str]] = []  # (prompt key, action)
+        self.lock = threading.Lock()
+
+    def action_for(self, ids: list[int]) -> str:
+        key = prompt_key(ids)
+        with self.lock:
+            n = self.counts.get(key, 0)
+            self.counts[key] = n + 1
+            plan = self.faults.plans.get(key, [])
+            act = plan[n] if n < len(plan) else "ok"
+            if act == "ok" and self.faults.random_rate and self.rng.random() < self.faults.random_rate:
+                act = self.rng.choice(self.faults.random_actions)
+            self.log.append((key, act))
+        return act
+
+    def run_model(self, ids: list[int], sp: dict, seed: int) -> tuple[list[int], str]:
+        from eagle_lib.engines import EmbeddedEngine, Request, Sampling
+
+        s = Sampling(
+            float(sp.get("temperature", 1.0)),
+            float(sp.get("top_p", 1.0)),
+            int(sp.get("max_new_tokens", 128)),
+            seed,
+            tuple(sp.get("stop_token_ids") or ()),
+        )
+        (res,) = list(EmbeddedEngine(self.model, s, batch_size=1).generate([Request("x", ids)]))
+        if not hasattr(res, "output_ids"):
+            raise web.HTTPBadRequest(text=json.dumps({"error": res.detail}))
+        return res.output_ids, res.finish_reason
+
+
+async def _fault_reply(app, request: web.Request, act: str) -> web.Response | None:
+    st: StandIn = app[STATE]
+    if act in ("500", "502", "503"):
+        return web.Response(status=int(act), text="Internal Server Error")
+    if act == "429":
+        return web.Response(status=429, text="Too Many Requests", headers={"Retry-After": "0"})
+    if act in ("400", "404"):
+        return web.json_response({"error": {"message": f"stand-in {act}"}}, status=int(act))
+    if act == "malformed":
+        return web.Response(status=200, text="{not json", content_type="application/json")
+    if act == "reset":
+        request.transport.abort()  # the client sees the connection drop mid-request
+        return web.Response(status=500)
+    if act == "timeout":
+        await asyncio.sleep(st.faults.timeout_sleep_s)
+    return None
+
+
+async def generate(request: web.Request) -> web.Response:
+    app = request.app
+    st: StandIn = app[STATE]
+    body = await request.json()
+    ids = body["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        return web.json_response({"error": {"message": "input_ids must be a list of ints"}}, status=400)
+    if max(ids) >= st.model.config.vocab_size:
+        return web.json_response({"error": {"message": "token id out of vocabulary"}}, status=400)
+    act = st.action_for(ids)
+    if st.faults.delay_s:
+        await asyncio.sleep(st.faults.delay_s)
+    reply = await _fault_reply(app, request, act)
+    if reply is not None:
+        return reply
+    sp = body.get("sampling_params", {})
+    t0 = time.monotonic()
+    out, finish = await asyncio.get_running_loop().run_in_executor(
+        None, st.run_model, ids, sp, int(sp.get("sampling_seed", 0))
+    )
+    fr = {"type": "stop", "matched": out[-1]} if finish == "stop" else {"type": "length", "length": len(out)}
+    if act == "abort":
+        fr = {"type": "abort", "message": "stand-in abort"}
+    if act == "out_of_vocab":
+        out = out[:-1] + [st.model.config.vocab_size + 7]
+    if st.faults.trim_stop and finish == "stop":
+        out = out[:-1]
+    meta = {
+        "id": f"req-{len(st.log)}",
+        "finish_reason": fr,
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(out),
+        "cached_tokens": 0,
+        "e2e_latency": time.monotonic() - t0,
+    }
+    text = st.tokenizer.decode(out, skip_special_tokens=bool(sp.get("skip_special_tokens", True)))
+    if act == "bad_schema":
+        return web.json_response({"text": text, "meta_info": meta})
+    return web.json_response({"text": text, "output_ids": out, "meta_info": meta})
+
+
+async def completions(request: web.Request) -> web.Response:
+    """Minimal OpenAI /v1/completions with token-id prompts and return_token_ids (vLLM's extension)."""
+    st: StandIn = request.app[STATE]
+    body = await request.json()
+    ids = body["prompt"]
+    act = st.action_for(ids)
+    reply = await _fault_reply(request.app, request, act)
+    if reply is not None:
+        return reply
+    sp = {
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "max_new_tokens": body.get("max_tokens", 16),
+        "stop_token_ids": body.get("stop_token_ids"),
+    }
+    out, finish = await asyncio.get_running_loop().run_in_executor(
+        None, st.run_model, ids, sp, body.get("seed") or 0
+    )
+    choice = {
+        "index": 0,
+        "text": st.tokenizer.decode(out),
+        "finish_reason": finish,
+        "stop_reason": out[-1] if finish == "stop" else None,
+        "prompt_token_ids": ids,
+    }
+    if act != "bad_schema":
+        choice["token_ids"] = out
+    return web.json_response(
+        {"id": "cmpl-standin", "object": "text_completion", "model": body.get("model"), "choices": [choice]}
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    st: StandIn = request.app[STATE]
+    body = await request.json()
+    ids = st.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))[
+        "input_ids"
+    ]
+    return web.json_response(
+        {"tokens": ids, "count": len(ids), "max_model_len": st.model.config.max_position_embeddings}
+    )
+
+
+def make_app(state: StandIn) -> web.Application:
+    app = web.Application()
+    app[STATE] = state
+    name = state.model_dir.rstrip("/").split("/")[-1]
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
+
+    async def health(_):
+        return web.Response(text="")
+
+    async def model_info(_):
+        return web.json_response(
+            {"model_path": state.model_dir, "tokenizer_path": state.model_dir, "is_generation": True}
+        )
+
+    async def list_models(_):
+        n_ctx = state.model.config.max_position_embeddings
+        return web.json_response(
+            {"object": "list", "data": [{"id": name, "object": "model", "max_model_len": n_ctx}]}
+        )
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/v1/models", list_models)
+    return app
+
+
+class ServerThread:
+    """Run a stand-in in a background thread on 127.0.0.1 (unit tests): `with ServerThread(state) as url:`."""
+
+    def __init__(self, state: StandIn, port: int = 0):
+        self.state, self.port = state, port
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def _serve(self):
+        runner = web.AppRunner(make_app(self.state))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+    def __enter__(self) -> str:
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("stand-in server did not start")
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--faults", default="")
+    a = ap.parse_args()
+    web.run_app(
+        make_app(StandIn(a.model, a.tokenizer, Faults.from_json(a.faults))),
+        host="127.0.0.1",
+        port=a.port,
+        print=None,
+    )
+
+
+if __name__ == "__main__":
+    main()

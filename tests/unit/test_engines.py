@@ -1,0 +1,321 @@
+"""Engines: embedded greedy == model.generate; sampling; HTTP engines against a local SGLang stand-in with faults."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from eagle_lib.engines import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling, _pick_tokens
+from eagle_lib.engines_http import OpenAIEngine, SGLangEngine
+from tests.server.sglang_standin import Faults, ServerThread, StandIn, prompt_key
+from tests.server.tiny import SPECIALS, build_tokenizer, build_world, make_prompts
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = build_world(tmp_path_factory.mktemp("tiny") / "w")
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return d, tok, model
+
+
+@pytest.fixture(scope="module")
+def prompts(world):
+    _, tok, _ = world
+    return make_prompts(tok, 20, seed=1, max_words=30)
+
+
+def frequent_token(model, prompts) -> int:
+    """A token the random model emits early for several prompts: used as a stop id so some rows stop."""
+    first = []
+    for p in prompts[:6]:
+        g = model.generate(torch.tensor([p["prompt_ids"]]), do_sample=False, max_new_tokens=3, pad_token_id=0)
+        first += g[0, len(p["prompt_ids"]) :].tolist()
+    return max(set(first), key=first.count)
+
+
+def hf_greedy(model, ids: list[int], max_new: int, stop: list[int]) -> list[int]:
+    """The reference: transformers' own generate, one unpadded prompt at a time."""
+    g = model.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=0
+    )
+    out = g[0, len(ids) :].tolist()
+    return out[: out.index(stop[0]) + 1] if stop[0] in out else out  # generate pads finished rows; none here
+
+
+def reqs(prompts) -> list[Request]:
+    return [Request(p["id"], p["prompt_ids"]) for p in prompts]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_embedded_greedy_equals_generate(world, prompts, batch_size):
+    _, _, model = world
+    stop = [frequent_token(model, prompts)]
+    eng = EmbeddedEngine(
+        model, Sampling(max_new_tokens=24, stop_token_ids=tuple(stop)), batch_size=batch_size
+    )
+    got = {r.id: r for r in eng.generate(reqs(prompts))}
+    assert sorted(got) == sorted(p["id"] for p in prompts)
+    reasons = set()
+    for p in prompts:
+        ref = hf_greedy(model, p["prompt_ids"], 24, stop)
+        r = got[p["id"]]
+        assert r.output_ids == ref, p["id"]
+        assert r.finish_reason == ("stop" if ref[-1] == stop[0] else "length")
+        reasons.add(r.finish_reason)
+    assert reasons == {"stop", "length"}  # both paths exercised, incl. rows dropped mid-batch
+
+
+def test_embedded_equals_generate_on_a_left_padded_batch(world, prompts):
+    """HF's own batched generate (left padding, attention mask) gives the same ids as the engine."""
+    _, tok, model = world
+    batch = prompts[:6]
+    width = max(len(p["prompt_ids"]) for p in batch)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p["prompt_ids"])) + p["prompt_ids"] for p in batch])
+    mask = (
+        torch.arange(width)[None, :] >= torch.tensor([width - len(p["prompt_ids"]) for p in batch])[:, None]
+    ).long()
+    g = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0
+    )
+    eng = EmbeddedEngine(model, Sampling(max_new_tokens=16), batch_size=4)
+    got = {r.id: r.output_ids for r in eng.generate(reqs(batch))}
+    for i, p in enumerate(batch):
+        assert got[p["id"]] == g[i, width:].tolist()
+
+
+def test_continuous_batching_respects_the_limits(world, prompts):
+    """Rows join as others finish (more prefills than static batches), never beyond batch_size / token budget."""
+    _, _, model = world
+    stop = (frequent_token(model, prompts),)
+    eng = EmbeddedEngine(
+        model, Sampling(max_new_tokens=10, stop_token_ids=stop), batch_size=4, max_batch_tokens=600
+    )
+    calls = []  # (rows, new tokens, attended width) of every forward call
+
+    def record(_module, _args, kw):
+        calls.append((kw["input_ids"].shape[0], kw["input_ids"].shape[1], kw["attention_mask"].shape[1]))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        got = list(eng.generate(reqs(prompts)))
+    finally:
+        hook.remove()
+    assert sorted(r.id for r in got) == sorted(p["id"] for p in prompts)
+    assert max(rows for rows, _, _ in calls) <= 4
+    assert all(rows * width <= 600 or rows == 1 for rows, _, width in calls)
+    n_prefills = sum(t > 1 for _, t, _ in calls)
+    assert n_prefills > -(-len(prompts) // 4)  # more prefills than static batches: rows were refilled
+
+
+def test_context_window_limits(world, prompts):
+    _, _, model = world
+    p = prompts[0]["prompt_ids"]
+    eng = EmbeddedEngine(model, Sampling(max_new_tokens=50), max_model_len=len(p) + 5)
+    long = Request("long", p + p)
+    out = {r.id: r for r in eng.generate([Request("a", p), long, Request("empty", [])])}
+    assert (
+        isinstance(out["a"], Result) and len(out["a"].output_ids) == 5 and out["a"].finish_reason == "length"
+    )
+    assert isinstance(out["long"], Failure) and out["long"].reason == "prompt_too_long"
+    assert out["empty"].reason == "empty_prompt"
+
+
+def test_sampling_is_per_sample_reproducible(world, prompts):
+    _, _, model = world
+    s = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=12, seed=3)
+    a = {r.id: r.output_ids for r in EmbeddedEngine(model, s, batch_size=1).generate(reqs(prompts[:6]))}
+    b = {r.id: r.output_ids for r in EmbeddedEngine(model, s, batch_size=6).generate(reqs(prompts[:6]))}
+    c = {
+        r.id: r.output_ids
+        for r in EmbeddedEngine(model, Sampling(0.9, 0.95, 12, seed=4)).generate(reqs(prompts[:6]))
+    }
+    greedy = {
+        r.id: r.output_ids
+        for r in EmbeddedEngine(model, Sampling(max_new_tokens=12)).generate(reqs(prompts[:6]))
+    }
+    assert a == b  # seed per sample id: batching does not change the draw
+    assert a != c and a != greedy
+
+
+def test_top_p_sampling_matches_the_nucleus_distribution():
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0])
+    t, top_p, n = 0.7, 0.8, 6000
+    p = np.exp(logits.numpy() / t)
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]  # smallest prefix with mass >= top_p
+    ref = np.zeros_like(p)
+    ref[keep] = p[keep] / p[keep].sum()
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    got = _pick_tokens(logits.repeat(n, 1), Sampling(temperature=t, top_p=top_p), gens).numpy()
+    freq = np.bincount(got, minlength=5) / n
+    assert np.abs(freq - ref).max() < 0.03
+    assert freq[ref == 0].sum() == 0
+
+
+def test_check_rejects_a_model_smaller_than_the_tokenizer(world, tmp_path):
+    _, tok, model = world
+    assert EmbeddedEngine(model, Sampling()).check(tok)["model_vocab"] >= len(tok)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=1, head_dim=32))  # fmt: skip
+    with pytest.raises(EngineError, match="vocabulary"):
+        EmbeddedEngine(small, Sampling()).check(tok)
+
+
+# ---------------------------------------------------------------- HTTP engines against the SGLang stand-in
+
+
+@pytest.fixture(scope="module")
+def standin(world):
+    d, _, _ = world
+    return StandIn(str(d))
+
+
+def embedded_ref(model, prompts, s: Sampling) -> dict[str, Result]:
+    return {r.id: r for r in EmbeddedEngine(model, s, batch_size=1).generate(reqs(prompts))}
+
+
+def http(cls, url, s, **kw):
+    kw = {
+        "vocab_size": 264,
+        "concurrency": 3,
+        "timeout_s": 2.0,
+        "backoff_s": 0.01,
+        "backoff_max_s": 0.05,
+    } | kw
+    return cls([url] if isinstance(url, str) else url, s, **kw)
+
+
+@pytest.mark.parametrize("cls", [SGLangEngine, OpenAIEngine])
+def test_http_engine_ids_equal_embedded(world, prompts, standin, cls):
+    _, tok, model = world
+    s = Sampling(max_new_tokens=16, stop_token_ids=(frequent_token(model, prompts),))
+    ref = embedded_ref(model, prompts[:8], s)
+    standin.faults = Faults()
+    with ServerThread(standin) as url:
+        eng = http(cls, url, s)
+        info = eng.check(tok)
+        got = list(eng.generate(reqs(prompts[:8])))
+    assert info["servers"][0]["url"] == url
+    assert sorted(r.id for r in got) == sorted(ref)
+    for r in got:
+        assert (r.output_ids, r.finish_reason) == (ref[r.id].output_ids, ref[r.id].finish_reason)
+
+
+def test_sglang_payload_follows_the_native_contract():
+    s = Sampling(temperature=0.5, top_p=0.9, max_new_tokens=7, seed=1, stop_token_ids=(3,))
+    body = SGLangEngine(["http://x"], s, vocab_size=10).payload(Request("a", [1, 2]))
+    assert body["input_ids"] == [1, 2]
+    sp = body["sampling_params"]
+    assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["stop_token_ids"]) == (7, 0.5, 0.9, [3])
+    assert sp["sampling_seed"] == s.seed_for("a")
+
+
+def test_transient_faults_are_retried_until_success(world, prompts, standin):
+    _, tok, model = world
+    s = Sampling(max_new_tokens=10)
+    ps = prompts[:8]
+    plans = {
+        prompt_key(p["prompt_ids"]): plan
+        for p, plan in zip(
+            ps,
+            [
+                ["500"],
+                ["503", "502"],
+                ["429", "429"],
+                ["reset"],
+                ["timeout"],
+                ["500", "reset", "429"],
+                [],
+                [],
+            ],
+            strict=True,
+        )
+    }
+    standin.faults = Faults(plans=plans, timeout_sleep_s=3.0)
+    standin.counts.clear()
+    with ServerThread(standin) as url:
+        eng = http(SGLangEngine, url, s, timeout_s=1.0)
+        got = {r.id: r for r in eng.generate(reqs(ps))}
+    ref = embedded_ref(model, ps, s)
+    assert all(isinstance(r, Result) for r in got.values())
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in ref.items()}
+    assert eng.retries == 10 and got[ps[5]["id"]].retries == 3
+
+
+def test_permanent_faults_become_failures_with_reasons(world, prompts, standin):
+    s = Sampling(max_new_tokens=10)
+    acts = ["400", "404", "malformed", "bad_schema", "out_of_vocab", "abort", "ok"]
+    ps = prompts[: len(acts)]
+    standin.faults = Faults(plans={prompt_key(p["prompt_ids"]): [a] for p, a in zip(ps, acts, strict=True)})
+    standin.counts.clear()
+    with ServerThread(standin) as url:
+        got = {r.id: r for r in http(SGLangEngine, url, s).generate(reqs(ps))}
+    reasons = [got[p["id"]].reason if isinstance(got[p["id"]], Failure) else "ok" for p in ps]
+    assert reasons == ["http_400", "http_404", "malformed", "malformed", "malformed", "finish_abort", "ok"]
+    assert all(got[p["id"]].retries == 0 for p in ps)  # never retried
+
+
+def test_retries_are_bounded(world, prompts, standin):
+    p = prompts[0]
+    standin.faults = Faults(plans={prompt_key(p["prompt_ids"]): ["500"] * 10})
+    standin.counts.clear()
+    with ServerThread(standin) as url:
+        (r,) = http(SGLangEngine, url, Sampling(max_new_tokens=4), max_retries=3).generate(reqs([p]))
+    assert isinstance(r, Failure) and r.reason == "retries_exhausted" and r.retries == 3
+    assert standin.counts[prompt_key(p["prompt_ids"])] == 4
+
+
+def test_trimmed_stop_token_is_restored(world, prompts, standin):
+    _, _, model = world
+    s = Sampling(max_new_tokens=16, stop_token_ids=(frequent_token(model, prompts),))
+    standin.faults = Faults(trim_stop=True)
+    with ServerThread(standin) as url:
+        got = {r.id: r for r in http(SGLangEngine, url, s).generate(reqs(prompts[:6]))}
+    ref = embedded_ref(model, prompts[:6], s)
+    assert any(r.finish_reason == "stop" for r in ref.values())
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in ref.items()}
+
+
+def test_a_failing_server_does_not_lose_work(world, prompts, standin):
+    _, _, model = world
+    d, _, _ = world
+    broken = StandIn(str(d), faults=Faults(random_rate=1.0, random_actions=["503"]))
+    s = Sampling(max_new_tokens=8)
+    with ServerThread(standin) as good, ServerThread(broken) as bad:
+        standin.faults = Faults()
+        got = list(http(SGLangEngine, [bad, good], s, max_retries=20).generate(reqs(prompts[:10])))
+    assert all(isinstance(r, Result) and r.server == good for r in got)
+    assert len(got) == 10 and len(broken.log) > 0
+
+
+def test_probe_fails_fast_when_the_server_is_down(world):
+    _, tok, _ = world
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="down or not answering"):
+            SGLangEngine([f"http://127.0.0.1:{port}"], Sampling(), vocab_size=264).check(tok)
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("cls", [SGLangEngine, OpenAIEngine])
+def test_probe_rejects_a_server_with_another_vocabulary(world, tmp_path, cls):
+    d, tok, _ = world
+    other = tmp_path / "other_tok"
+    build_tokenizer(other, specials=list(reversed(SPECIALS)))  # same bytes, special ids permuted
+    with ServerThread(StandIn(str(d), tokenizer_dir=str(other))) as url:
+        with pytest.raises(EngineError, match="vocabulary does not match"):
+            cls([url], Sampling(), vocab_size=264).check(tok)

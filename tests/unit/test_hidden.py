@@ -1,0 +1,129 @@
+"""Hidden-state sources: online hooks vs output_hidden_states, packing, offline dumps and width errors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle_lib import hidden
+from eagle_lib.batches import Sequence, make_batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import eagle_tiny  # noqa: E402
+
+torch.set_num_threads(1)
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = eagle_tiny.make_target(tmp_path_factory.mktemp("tiny"))
+    return path, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def seqs(n, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sequence(f"s{i}", torch.randint(0, eagle_tiny.VOCAB, (t,), generator=g).tolist(), [1] * t)
+        for i, t in zip(range(n), lens, strict=True)
+    ]
+
+
+def reference(model, ids):
+    """HF hidden_states[i + 1] is the output of decoder layer i."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in AUX], -1)[0], out.logits[0]
+
+
+def test_online_matches_output_hidden_states_and_packs(target):
+    _, model = target
+    s = seqs(3, [9, 5, 7])
+    src = hidden.OnlineHidden(model, AUX)
+    batch = make_batch(s, [[0, 1], [2]])  # row 0 packs two sequences
+    aux, logits = src(batch)
+    assert aux.shape == (2, 14, 3 * 64) and logits.shape == (2, 14, eagle_tiny.VOCAB)
+    for row, start, i in [(0, 0, 0), (0, 9, 1), (1, 0, 2)]:
+        n = len(s[i].input_ids)
+        ref_aux, ref_logits = reference(model, s[i].input_ids)
+        torch.testing.assert_close(aux[row, start : start + n], ref_aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[row, start : start + n], ref_logits, rtol=1e-4, atol=1e-4)
+    src.close()
+    with pytest.raises(ValueError, match="outside"):
+        hidden.OnlineHidden(model, [1, 3, 8])
+
+
+def last_layer_outputs(model, ids):
+    """Output of the last decoder layer (pre final norm), captured independently by a hook."""
+    got = {}
+    h = model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: got.setdefault("x", o[0] if isinstance(o, tuple) else o)
+    )
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    h.remove()
+    return got["x"][0]
+
+
+def write_dumps(model, dump_dir, sequences, layers=4):
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    for i, s in enumerate(sequences):
+        aux, _ = reference(model, s.input_ids)
+        last = last_layer_outputs(model, s.input_ids)
+        hs = torch.cat([aux.view(-1, 3, 64), last[:, None]], 1)[:, :layers]  # (T, layers, H)
+        save_file(
+            {"token_ids": torch.tensor(s.input_ids), "hidden_states": hs.to(torch.bfloat16).contiguous()},
+            str(dump_dir / f"hs_{i}.safetensors"),
+        )
+
+
+def test_offline_dumps_give_the_target_features_and_logits(target, tmp_path):
+    path, model = target
+    s = seqs(3, [8, 6, 5], seed=1)
+    write_dumps(model, tmp_path / "dumps", s[:2])
+    from transformers import AutoConfig
+
+    head = hidden.load_target_head(str(path), AutoConfig.from_pretrained(path))
+    src = hidden.OfflineHidden(tmp_path / "dumps", head, 64)
+    assert src.has(s[0].input_ids) and not src.has(s[2].input_ids)
+    batch = make_batch(s[:2], [[1, 0]])
+    aux, logits = src(batch)
+    for start, i in [(0, 1), (6, 0)]:
+        n = len(s[i].input_ids)
+        ref_aux, ref_logits = reference(model, s[i].input_ids)
+        torch.testing.assert_close(aux[0, start : start + n], ref_aux, rtol=2e-2, atol=2e-2)  # bf16 dump
+        torch.testing.assert_close(logits[0, start : start + n], ref_logits, rtol=5e-2, atol=5e-2)
+    with pytest.raises(KeyError, match="no dump"):
+        src(make_batch(s, [[2]]))
+
+
+@pytest.mark.parametrize("layers,match", [(1, "EAGLE3"), (3, "not the last layer")])
+def test_offline_width_errors_name_the_cause(target, tmp_path, layers, match):
+    path, model = target
+    write_dumps(model, tmp_path / "d", seqs(1, [5]), layers=layers)
+    from transformers import AutoConfig
+
+    head = hidden.load_target_head(str(path), AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match=match):
+        hidden.OfflineHidden(tmp_path / "d", head, 64)
+
+
+def test_width_error_message():
+    assert "EAGLE3" in hidden.width_error(7168, 7168, "x")
+    assert "21504" in hidden.width_error(7168, 7168, "x")
+
+
+def test_load_target_tensors_reads_only_named_tensors(target):
+    path, model = target
+    t = hidden.load_target_tensors(
+        str(path), {"lm": ["lm_head.weight"], "emb": ["model.embed_tokens.weight"]}
+    )
+    assert torch.equal(t["lm"], model.lm_head.weight) and torch.equal(
+        t["emb"], model.model.embed_tokens.weight
+    )
+    with pytest.raises(KeyError, match="nothing.weight"):
+        hidden.load_target_tensors(str(path), {"x": ["nothing.weight"]})

@@ -1,0 +1,287 @@
+"""Stage 03 orchestration: contract records, exactly-once across crashes and SIGKILLs, shards, faults, stale data."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eagle_lib import infer, params, store
+from eagle_lib.engines import EmbeddedEngine, Request, Sampling
+from eagle_lib.pipeline import REPO_ROOT
+from tests.server.sglang_standin import Faults, ServerThread, StandIn, prompt_key
+from tests.server.tiny import build_world, make_prompts
+
+torch.set_num_threads(1)
+STOP = 164  # a byte token the tiny random model emits often: some answers stop, some hit the length limit
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = build_world(tmp_path_factory.mktemp("tiny") / "w")
+    return d, AutoTokenizer.from_pretrained(d)
+
+
+def make_run(tmp_path: Path, tok, sizes: dict[str, int]) -> Path:
+    run = tmp_path / "run"
+    for name, n in sizes.items():
+        store.append_jsonl(run / "data" / "B" / name / "prompts.jsonl", make_prompts(tok, n, seed=n))
+    return run
+
+
+def config(run: Path, world_dir: Path, **stage) -> params.StageConfig:
+    stage = {"max_new_tokens": 12, "stop_token_ids": [STOP], "write_every": 3, "progress": False} | stage
+    return params.StageConfig("03_infer", run, params.SharedParams(target=str(world_dir), num_workers=1),
+                              infer.Params(**stage))  # fmt: skip
+
+
+def records(run: Path, name: str) -> list[dict]:
+    return store.read_jsonl(run / "infer" / name / "responses.jsonl")
+
+
+def reference(world_dir: Path, prompts: list[dict], max_new: int = 12) -> dict[str, list[int]]:
+    """Independent reference: the embedded engine one prompt at a time (itself checked against model.generate)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(world_dir, dtype=torch.float32).eval()
+    eng = EmbeddedEngine(model, Sampling(max_new_tokens=max_new, stop_token_ids=(STOP,)), batch_size=1)
+    return {r.id: r.output_ids for r in eng.generate([Request(p["id"], p["prompt_ids"]) for p in prompts])}
+
+
+def test_records_follow_the_contract(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 14, "b": 5})
+    meta = infer.run(config(run, d))
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    recs = records(run, "a")
+    assert sorted(r["id"] for r in recs) == sorted(p["id"] for p in prompts)
+    ref = reference(d, prompts)
+    for r in recs:
+        assert set(r) >= {"id", "source", "prompt_ids", "output_ids", "text", "finish_reason", "n_prompt_tokens",
+                          "n_output_tokens", "sampling", "engine", "latency_s"}  # fmt: skip
+        assert r["output_ids"] == ref[r["id"]]
+        assert r["text"] == tok.decode(r["output_ids"], skip_special_tokens=False)
+        assert r["n_output_tokens"] == len(r["output_ids"]) and r["n_prompt_tokens"] == len(r["prompt_ids"])
+        assert r["finish_reason"] == ("stop" if r["output_ids"][-1] == STOP else "length")
+        assert r["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 12, "seed": 0}
+        assert r["engine"] == "embedded"
+    m = store.read_json(run / "infer/a/meta.json")
+    store.check_tally(m)
+    assert (m["read"], m["kept"], m["rejected"]) == (14, 14, 0)
+    assert m["finish_reason"] == dict(Counter(r["finish_reason"] for r in recs))
+    assert m["output_tokens"] == sum(r["n_output_tokens"] for r in recs)
+    assert (meta["read"], meta["kept"]) == (19, 19) and store.read_json(run / "infer/meta.json")[
+        "status"
+    ] == "ok"
+    assert set(infer.summary_table(meta)["dataset"]) == {"a", "b", "TOTAL"}
+
+
+class CrashAfter:
+    """Wraps an engine; raises after `n` results, like a process dying mid-run."""
+
+    def __init__(self, engine, n: int):
+        self.engine, self.n = engine, n
+        self.name, self.sampling = engine.name, engine.sampling
+
+    def check(self, tok):
+        return self.engine.check(tok)
+
+    def generate(self, requests):
+        for k, item in enumerate(self.engine.generate(requests)):
+            if k == self.n:
+                raise RuntimeError("simulated crash")
+            yield item
+
+
+def test_restart_after_a_crash_generates_only_the_rest(world, tmp_path, monkeypatch):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 20})
+    real = infer.make_engine
+    monkeypatch.setattr(infer, "make_engine", lambda cfg, t: CrashAfter(real(cfg, t), 7))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        infer.run(config(run, d, batch_size=4))
+    first = (run / "infer/a/responses.jsonl").read_bytes()
+    assert len(records(run, "a")) == 7  # the results before the crash were committed
+    with open(run / "infer/a/responses.jsonl", "ab") as f:
+        f.write(b'{"id": "s00001", "prompt_ids": [1, 2')  # and a torn last line, as from a crash mid-write
+    monkeypatch.setattr(infer, "make_engine", real)
+    meta = infer.run(config(run, d, batch_size=4))
+    assert (run / "infer/a/responses.jsonl").read_bytes().startswith(first)  # nothing rewritten
+    recs = records(run, "a")
+    assert Counter(r["id"] for r in recs) == Counter(
+        p["id"] for p in store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    )
+    assert meta["datasets"]["a"]["resumed"] == 7 and meta["datasets"]["a"]["generated"] == 13
+    assert {r["id"]: r["output_ids"] for r in recs} == reference(
+        d, store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    )
+
+
+def test_sigkill_at_random_points_then_finish(world, tmp_path):
+    """The CLI is SIGKILLed at random points several times, then finishes: one record per prompt."""
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 160})
+    pfile = tmp_path / "kill.yaml"
+    stage = {
+        "max_new_tokens": 24,
+        "stop_token_ids": [STOP],
+        "batch_size": 4,
+        "write_every": 2,
+        "progress": False,
+    }
+    pfile.write_text(yaml.safe_dump({"run_name": "kill", "shared": {"target": str(d), "num_workers": 1},
+                                     "stages": {"03_infer": stage}}))  # fmt: skip
+    cmd = [sys.executable, "-m", "eagle_lib.infer", str(pfile), "--run-dir", str(run)]
+    out = run / "infer/a/responses.jsonl"
+    rng, kills = random.Random(7), 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for _ in range(3):
+        before = out.stat().st_size if out.exists() else 0
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while (
+            proc.poll() is None
+            and time.monotonic() < deadline
+            and (out.stat().st_size if out.exists() else 0) == before
+        ):
+            time.sleep(0.02)  # wait until this run has committed something, then kill it at a random moment
+        time.sleep(rng.uniform(0.0, 0.5))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=30)
+    assert kills >= 3
+    partial = len(records(run, "a"))
+    assert 0 < partial < 160
+    with open(out, "ab") as f:
+        f.write(b'{"id":"s00002","source":"tiny","prompt_ids":[257,84')  # torn last line
+    subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, timeout=300, capture_output=True)
+    recs = records(run, "a")
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    assert Counter(r["id"] for r in recs) == Counter(p["id"] for p in prompts)  # none lost, none duplicated
+    meta = store.read_json(run / "infer/a/meta.json")
+    assert (meta["kept"], meta["resumed"], meta["duplicates_ignored"]) == (160, partial, 0)
+    assert {r["id"]: r["output_ids"] for r in recs} == reference(d, prompts, max_new=24)
+
+
+def test_shards_then_merge_exactly_once(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 16})
+    m0 = infer.run(config(run, d), shard="0/2")
+    m1 = infer.run(config(run, d), shard="1/2")
+    assert m0["read"] + m1["read"] == 16 and min(m0["read"], m1["read"]) > 0
+    assert not (run / "infer/a/responses.jsonl").exists() and not (run / "infer/meta.json").exists()
+    meta = infer.run(config(run, d))
+    a = meta["datasets"]["a"]
+    assert (a["merged_from_shards"], a["generated"], a["kept"]) == (16, 0, 16)
+    recs = records(run, "a")
+    assert Counter(r["id"] for r in recs) == Counter(
+        p["id"] for p in store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    )
+    infer.run(config(run, d))  # idempotent: merging again appends nothing
+    assert len(records(run, "a")) == 16
+
+
+def test_stale_records_stop_the_run_and_are_kept(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 4})
+    infer.run(config(run, d))
+    before = (run / "infer/a/responses.jsonl").read_bytes()
+    with pytest.raises(
+        infer.InferError, match=r"responses.jsonl: record 's000\d\d' is stale: it was sampled with"
+    ):
+        infer.run(config(run, d, max_new_tokens=13))
+    assert (run / "infer/a/responses.jsonl").read_bytes() == before
+
+
+def test_bad_prompt_records_are_named(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 3})
+    store.append_jsonl(run / "data/B/a/prompts.jsonl", [{"id": "bad", "prompt_ids": ["x"]}])
+    with pytest.raises(infer.InferError, match=r"prompts.jsonl: record 4 \(id 'bad'\): prompt_ids must be"):
+        infer.run(config(run, d))
+    with pytest.raises(infer.InferError, match="no prompts.jsonl for"):
+        infer.run(config(run, d, datasets=["missing"]))
+
+
+def test_faults_summary_and_retry_of_errors(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 10})
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    plans = {
+        prompt_key(p["prompt_ids"]): a
+        for p, a in zip(prompts, [["400"], ["malformed"], ["500", "429"]] * 2, strict=False)
+    }
+    standin = StandIn(str(d), faults=Faults(plans=plans))
+    with ServerThread(standin) as url:
+        http = {
+            "engine": "sglang",
+            "server_urls": [url],
+            "concurrency": 2,
+            "backoff_s": 0.01,
+            "timeout_s": 20.0,
+        }
+        with pytest.raises(infer.InferError, match=r"4/10 prompts failed"):
+            infer.run(config(run, d, **http))
+        meta = store.read_json(run / "infer/meta.json")
+        assert meta["status"] == "failed" and (meta["read"], meta["kept"], meta["rejected"]) == (10, 6, 4)
+        assert meta["datasets"]["a"]["errors_by_reason"] == {"http_400": 2, "malformed": 2}
+        errs = store.read_jsonl(run / "infer/a/errors.jsonl")
+        assert sorted(e["reason"] for e in errs) == ["http_400", "http_400", "malformed", "malformed"]
+        assert all(e["detail"] and e["server"] == url for e in errs)
+        standin.counts.clear()
+        standin.faults = Faults()
+        meta = infer.run(config(run, d, **http))  # the errors are retried, the answered ids are not
+    assert (meta["kept"], meta["rejected"], meta["datasets"]["a"]["generated"]) == (10, 0, 4)
+    assert {r["id"]: r["output_ids"] for r in records(run, "a")} == reference(d, prompts)
+    assert all(r["engine"] == "sglang" and r["server"] == url for r in records(run, "a"))
+
+
+def test_stage_fails_fast_when_the_server_is_down(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 2})
+    t0 = time.monotonic()
+    with pytest.raises(infer.InferError, match="(?s)health probe failed.*down or not answering"):
+        infer.run(config(run, d, engine="sglang", server_urls=["http://127.0.0.1:9"]))
+    assert time.monotonic() - t0 < 15 and not (run / "infer/a").exists()
+
+
+def test_api_key_is_read_from_the_named_variable(world, tmp_path, monkeypatch):
+    d, tok = world
+    monkeypatch.delenv("EAGLE_TEST_KEY", raising=False)
+    run = make_run(tmp_path, tok, {"a": 1})
+    with pytest.raises(params.ParamsError, match="EAGLE_TEST_KEY"):
+        infer.run(
+            config(run, d, engine="openai", server_urls=["http://127.0.0.1:9"], api_key_env="EAGLE_TEST_KEY")
+        )
+
+
+def test_shard_argument():
+    assert infer.parse_shard("1/4") == (1, 4) and infer.parse_shard("") is None
+    for bad in ("4/4", "x", "1/0"):
+        with pytest.raises(infer.InferError):
+            infer.parse_shard(bad)
+    owners = Counter(infer.shard_of(f"id{i}", 3) for i in range(3000))
+    assert set(owners) == {0, 1, 2} and min(owners.values()) > 850
+
+
+def test_params_files_block_validates():
+    for f in ("toy", "ci", "kimi_k25"):
+        run = params.load_params(REPO_ROOT / "params" / f"{f}.yaml")
+        assert isinstance(run.stage("03_infer"), infer.Params)
+    kimi = params.load_params(REPO_ROOT / "params/kimi_k25.yaml").stage("03_infer")
+    assert kimi.engine == "sglang" and len(kimi.server_urls) > 1 and kimi.api_key_env
+    assert json.dumps(kimi.model_dump()).count("sk-") == 0  # secrets only by variable name

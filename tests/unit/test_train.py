@@ -1,0 +1,263 @@
+"""Stage 05 training: TTT vs the inference drafter, label shift, packing, metrics, resume, NaN guard."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle_lib import batches, params, store, train, ttt
+from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, load_drafter
+
+sys.path.insert(0, str(Path(__file__).parent))
+import eagle_tiny  # noqa: E402
+
+torch.set_num_threads(1)
+V, H, HT = 40, 32, 24
+
+
+def drafter(seed=0, n=V) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    c = Eagle3Config(
+        hidden_size=H,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=V,
+        draft_vocab_size=n,
+        target_hidden_size=HT,
+        aux_layers=[1, 3, 4],
+    )
+    m = Eagle3Drafter(c).double()
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_()
+    if n < V:
+        kept = torch.arange(0, V, V // n)[:n]
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[kept] = True
+        m.set_vocab_map(kept - torch.arange(n), t2d)
+    return m
+
+
+def inputs(t, seed=0, b=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (b, t), generator=g)
+    aux = torch.randn(b, t, 3 * HT, generator=g, dtype=torch.float64)
+    logits = torch.randn(b, t, V, generator=g, dtype=torch.float64) * 3
+    pos = torch.arange(t).expand(b, t)
+    return ids, pos, torch.zeros(b, t, dtype=torch.long), aux, logits
+
+
+def inference_chain(m, ids, aux, t, steps):
+    """Logits of draft steps 0..steps-1 after the prefix ending at t, run as an engine runs the drafter."""
+    cache = m.new_cache()
+    out, lg = m(ids[:, 1 : t + 2], m.project(aux[:, : t + 1]), torch.arange(t + 1)[None], cache)
+    h, res = out[:, -1:], [lg[0, -1]]
+    for j in range(1, steps):
+        h, lg = m(ids[:, t + 1 + j : t + 2 + j], h, torch.tensor([[t + j]]), cache)
+        res.append(lg[0, -1])
+    return res
+
+
+def soft_ce(draft_logits, target_logits, m):
+    p = F.softmax(target_logits[m.draft_ids()], -1)
+    return -(p * F.log_softmax(draft_logits, -1)).sum()
+
+
+@torch.no_grad()
+def test_ttt_loss_equals_inference_chain_reference():
+    """Every TTT row/step has the logits the served drafter would have, and the loss is their soft CE."""
+    m, t_len, k = drafter(n=20), 11, 3
+    ids, pos, doc, aux, tl = inputs(t_len)
+    mask = torch.ones(1, t_len, dtype=torch.bool)
+    loss, stats = ttt.TTT(m, k, 0.7)(ids, pos, doc, mask, aux, tl)
+    expected = 0.0
+    for i in range(k):
+        ces = []
+        for t in range(t_len - 2 - i):
+            lg = inference_chain(m, ids, aux, t, i + 1)[i]
+            if m.t2d[tl[0, t + 1 + i].argmax()]:  # loss only where the target argmax is in the draft vocab
+                ces.append(soft_ce(lg, tl[0, t + 1 + i], m))
+        assert stats[i, ttt.N_LABELS] == t_len - 2 - i and stats[i, ttt.N_LOSS] == len(ces)
+        expected += 0.7**i * (sum(ces) / max(1, len(ces)))
+    assert loss.item() == pytest.approx(float(expected), rel=1e-9)
+
+
+@torch.no_grad()
+def test_first_assistant_token_is_a_trained_label():
+    """mask[a] = 1 only: step 0 trains row a-2 (token x[a-1]) against the target at a-1; step 1 row a-3."""
+    m, t_len, a = drafter(), 10, 6
+    ids, pos, doc, aux, tl = inputs(t_len, seed=3)
+    mask = torch.zeros(1, t_len, dtype=torch.bool)
+    mask[0, a] = True
+    loss, stats = ttt.TTT(m, 2, 0.5)(ids, pos, doc, mask, aux, tl)
+    assert stats[:, ttt.N_LABELS].tolist() == [1, 1]
+    step0 = soft_ce(inference_chain(m, ids, aux, a - 2, 1)[0], tl[0, a - 1], m)
+    step1 = soft_ce(inference_chain(m, ids, aux, a - 3, 2)[1], tl[0, a - 1], m)
+    assert loss.item() == pytest.approx((step0 + 0.5 * step1).item(), rel=1e-9)
+    mask[0, a] = False
+    mask[0, a - 1] = True  # shifting the mask by one moves the trained rows with it
+    _, stats = ttt.TTT(m, 1, 1.0)(ids, pos, doc, mask, aux, tl)
+    assert stats[0, ttt.N_LABELS] == 1
+
+
+def test_b_response_mask_marks_output_tokens(tmp_path):
+    store.append_jsonl(
+        tmp_path / "infer/x/responses.jsonl",
+        [{"id": "r1", "prompt_ids": [1, 2, 3], "output_ids": [4, 5], "finish_reason": "stop"}],
+    )
+    store.append_jsonl(
+        tmp_path / "data/A/y/records.jsonl",
+        [
+            {"id": "q1", "input_ids": [7, 8, 9], "loss_mask": [0, 0, 1]},
+            {"id": "q2", "input_ids": [7, 8], "loss_mask": [0, 1]},
+        ],
+    )
+    tr, held, tally = batches.load_sequences(tmp_path, 0.0, 100)
+    by_id = {s.id: s for s in tr}
+    assert by_id["r1"].input_ids == [1, 2, 3, 4, 5] and by_id["r1"].loss_mask == [0, 0, 0, 1, 1]
+    assert tally.dropped == {"no_trainable_labels": 1} and tally.read == 3 and not held
+    store.append_jsonl(
+        tmp_path / "data/A/y/records.jsonl", [{"id": "bad", "input_ids": [1, 2], "loss_mask": [1]}]
+    )
+    with pytest.raises(ValueError, match="records.jsonl: record 'bad'.*2 token ids but 1"):
+        batches.load_sequences(tmp_path, 0.0, 100)
+
+
+def test_packed_rows_equal_separate_rows():
+    m = drafter(seed=4, n=20)
+    lens = [7, 5, 6]
+    parts = [inputs(n, seed=10 + i) for i, n in enumerate(lens)]
+    seqs = [
+        batches.Sequence(str(i), p[0][0].tolist(), [0, 1] * (n // 2) + [1] * (n % 2))
+        for i, (p, n) in enumerate(zip(parts, lens, strict=True))
+    ]
+    packed = batches.make_batch(seqs, [[0, 1, 2]])
+    aux = torch.cat([p[3] for p in parts], 1)
+    tl = torch.cat([p[4] for p in parts], 1)
+    model = ttt.TTT(m, 3, 0.8)
+    _, s_packed = model(packed.input_ids, packed.position_ids, packed.doc_ids, packed.loss_mask, aux, tl)
+    s_sep = sum(
+        model(p[0], p[1], p[2], torch.tensor([seqs[i].loss_mask], dtype=torch.bool), p[3], p[4])[1]
+        for i, p in enumerate(parts)
+    )
+    torch.testing.assert_close(s_packed, s_sep)
+    rows = batches.pack([5, 9, 3, 7, 2, 8], 10)
+    assert sorted(i for r in rows for i in r) == list(range(6))
+    assert all(sum([5, 9, 3, 7, 2, 8][i] for i in r) <= 10 for r in rows)
+
+
+def test_summarize_metrics():
+    stats = torch.zeros(3, ttt.N_STATS)
+    stats[:, ttt.N_LABELS] = torch.tensor([10.0, 10, 10])
+    stats[:, ttt.N_CORRECT] = torch.tensor([8.0, 5, 4])
+    stats[:, ttt.COND_NUM] = torch.tensor([8.0, 4, 2])
+    stats[:, ttt.COND_DEN] = torch.tensor([10.0, 8, 4])
+    m = ttt.summarize(stats)
+    assert m["acc"] == [0.8, 0.5, 0.4] and m["cond_acc"] == [0.8, 0.5, 0.5]
+    assert m["sim_tau"] == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.4)
+    assert m["chain_tau"] == pytest.approx(1 + (8 + 4 + 2) / 10)
+
+
+def test_presets():
+    assert ttt.resolve_preset("eagle", 0, 0.0) == (7, 0.8)
+    assert ttt.resolve_preset("speculators", 0, 0.0) == (3, 1.0)
+    assert ttt.resolve_preset("modelopt", 0, 0.0) == (3, 0.9)
+    assert ttt.resolve_preset("eagle", 4, 0.5) == (4, 0.5)
+    with pytest.raises(ValueError, match="ttt_preset"):
+        ttt.resolve_preset("nope", 0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w")
+    return root, eagle_tiny.make_run(root)
+
+
+def copy_run(world, dest: Path) -> Path:
+    import shutil
+
+    root, run = world
+    shutil.copytree(run / "data", dest / "data")
+    shutil.copytree(run / "infer", dest / "infer")
+    return dest
+
+
+def test_resume_continues_the_same_run(world, tmp_path):
+    root, _ = world
+    full_dir, cut_dir = copy_run(world, tmp_path / "full"), copy_run(world, tmp_path / "cut")
+    full = train.run(eagle_tiny.stage_config(full_dir, root / "target"))
+    part = train.run(eagle_tiny.stage_config(cut_dir, root / "target", stop_after_steps=3))
+    assert part == {"stopped_at_step": 3, "total_steps": 6}
+    ck = sorted((cut_dir / "drafter/checkpoints").glob("step_*"))
+    assert [c.name for c in ck] == ["step_0000002"]  # step 3 was not checkpointed: resume from 2
+    assert {"model.safetensors", "trainer.pt", "COMPLETE"} <= {p.name for p in ck[0].iterdir()}
+    resumed = train.run(eagle_tiny.stage_config(cut_dir, root / "target"))
+    a = store.read_jsonl(full_dir / "drafter/train_log.jsonl")
+    b = store.read_jsonl(cut_dir / "drafter/train_log.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    assert resumed["heldout"]["acc"] == pytest.approx(full["heldout"]["acc"])
+    wa, wb = load_drafter(full_dir / "drafter/final"), load_drafter(cut_dir / "drafter/final")
+    for key, v in wa.state_dict().items():
+        torch.testing.assert_close(v, wb.state_dict()[key], rtol=1e-5, atol=1e-6)
+    assert a[-1]["loss"] < a[0]["loss"]
+    summary = json.loads((full_dir / "drafter/final/summary.json").read_text())
+    assert summary["vocab"]["coverage"] > 0.5 and len(summary["heldout"]["acc"]) == 2
+    with pytest.raises(params.ParamsError, match="other settings"):
+        train.run(eagle_tiny.stage_config(cut_dir, root / "target", learning_rate=1e-2))
+
+
+def test_nan_guard_skips_then_aborts(world, tmp_path, monkeypatch):
+    root, _ = world
+    run = copy_run(world, tmp_path / "nan")
+    real = train._micro_step
+    calls = {"n": 0}
+
+    def poisoned(model, source, batch, *a):
+        calls["n"] += 1
+        nan_source = (lambda b: tuple(x * math.nan for x in source(b))) if calls["n"] in (2,) else source
+        return real(model, nan_source, batch, *a)
+
+    monkeypatch.setattr(train, "_micro_step", poisoned)
+    train.run(eagle_tiny.stage_config(run, root / "target", max_steps=3, checkpoint_every=100))
+    log = store.read_jsonl(run / "drafter/train_log.jsonl")
+    assert [r["skipped"] for r in log] == [False, True, False]
+    calls["n"] = 0
+    monkeypatch.setattr(
+        train, "_micro_step", lambda m, s, b, *a: real(m, lambda x: tuple(y * math.nan for y in s(x)), b, *a)
+    )
+    with pytest.raises(FloatingPointError, match="consecutive"):
+        train.run(eagle_tiny.stage_config(run, root / "target", max_steps=5, max_bad_steps=1, resume=False))
+
+
+def test_sdpa_attention_equals_eager():
+    m = drafter(seed=5, n=20)
+    ids, pos, doc, aux, tl = inputs(13, seed=6, b=2)
+    doc[:, 7:] = 1
+    pos = torch.where(doc == 1, pos - 7, pos)
+    mask = torch.rand(2, 13, generator=torch.Generator().manual_seed(1)) < 0.7
+    loss_e, st_e = ttt.TTT(m, 4, 0.8, "eager")(ids, pos, doc, mask, aux, tl)
+    loss_s, st_s = ttt.TTT(m, 4, 0.8, "sdpa")(ids, pos, doc, mask, aux, tl)
+    torch.testing.assert_close(loss_s, loss_e)
+    torch.testing.assert_close(st_s, st_e)
+
+
+def test_padding_rows_changes_nothing():
+    m = drafter(seed=7, n=20)
+    seqs = [batches.Sequence("a", list(range(3, 12)), [0, 0, 0, 1, 1, 1, 1, 1, 1])]
+    tight, padded = batches.make_batch(seqs, [[0]]), batches.make_batch(seqs, [[0]], pad_to=16)
+    assert padded.input_ids.shape == (1, 16) and padded.n_tokens == tight.n_tokens == 9
+    g = torch.Generator().manual_seed(2)
+    aux, tl = torch.randn(1, 16, 3 * HT, generator=g, dtype=torch.float64), torch.randn(1, 16, V, generator=g)
+    model = ttt.TTT(m, 3, 0.8)
+    a = model(
+        tight.input_ids, tight.position_ids, tight.doc_ids, tight.loss_mask, aux[:, :9], tl[:, :9].double()
+    )
+    b = model(padded.input_ids, padded.position_ids, padded.doc_ids, padded.loss_mask, aux, tl.double())
+    torch.testing.assert_close(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
