@@ -29,7 +29,7 @@ import pandas as pd
 from pydantic import model_validator
 
 from eagle_lib import export, models, params, preflight, specdec, store
-from eagle_lib.specdec import Prompt
+from eagle_lib.specdec import Prompt, cost_ratio, tables
 
 Method = Literal["none", "ngram", "eagle3"]
 
@@ -93,9 +93,8 @@ def a_prompt_ids(rec: dict, mode: str) -> list[int] | None:
     """Prompt of an A record: tokens before the first / the last run of loss-masked tokens (None if none)."""
     mask = rec["loss_mask"]
     starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-    if not starts or starts[0 if mode == "first_turn" else -1] == 0:
-        return None
-    return list(rec["input_ids"][: starts[0 if mode == "first_turn" else -1]])
+    start = (starts[0] if mode == "first_turn" else starts[-1]) if starts else 0
+    return list(rec["input_ids"][:start]) if start else None
 
 
 def heldout_prompts(run_dir: Path, percent: float, p: Params) -> tuple[dict[str, list[Prompt]], dict]:
@@ -108,9 +107,12 @@ def heldout_prompts(run_dir: Path, percent: float, p: Params) -> tuple[dict[str,
     for f in files:
         kind, ds = f.parent.parent.name, f.parent.name
         label = ds if names.count(ds) == 1 else f"{kind}/{ds}"
-        for rec in store.iter_jsonl(f):
+        for n, rec in enumerate(store.iter_jsonl(f), 1):
             tally["read"] += 1
-            why = _keep(rec, kind, percent, p, out.setdefault(label, []))
+            try:
+                why = _keep(rec, kind, percent, p, out.setdefault(label, []))
+            except (KeyError, TypeError, IndexError) as e:
+                raise store.RecordError(f"{f}: record {n} (id {rec.get('id')!r}): malformed, {e!r}") from None
             if why:
                 tally["dropped"][why] += 1
             else:
@@ -134,82 +136,6 @@ def _keep(rec: dict, kind: str, percent: float, p: Params, kept: list) -> str | 
     if len(ids) > p.max_prompt_tokens:
         return "too_long"
     return "over_cap" if len(kept) >= p.max_prompts_per_dataset else None
-
-
-# --- metrics ------------------------------------------------------------------------------------------
-def acceptance_stats(accepted: list[int], k: int) -> dict:
-    """tau, per-position acceptance (unconditional, conditional) and the histogram of accepted lengths."""
-    n = len(accepted)
-    at_least = [sum(a >= i for a in accepted) for i in range(k + 1)]  # at_least[0] = n
-    out = {"steps": n, "tau": (sum(accepted) + n) / n if n else float("nan")}
-    for i in range(1, k + 1):
-        out[f"acc_{i}"] = at_least[i] / n if n else float("nan")
-        out[f"cond_acc_{i}"] = at_least[i] / at_least[i - 1] if at_least[i - 1] else float("nan")
-    hist = Counter(accepted)
-    out.update({f"a={j}": hist.get(j, 0) for j in range(k + 1)})
-    return out
-
-
-def tables(
-    gens: list[dict], k: int, cost_ratio: float | None
-) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(tau per method x dataset incl. 'all', per-position long table, accepted-length histogram)."""
-    rows = []
-    for (method, ds), g in _groups(gens):
-        st = acceptance_stats([a for r in g for a in r["accepted"]], k)
-        tokens = sum(len(r["output_ids"]) for r in g)
-        secs = sum(r["total_s"] for r in g)
-        rows.append(
-            {
-                "method": method,
-                "dataset": ds,
-                "prompts": len(g),
-                "tokens": tokens,
-                "tokens_per_step": tokens / max(st["steps"], 1),
-                "s_per_token": secs / max(tokens, 1),
-                "lossless": all(r["lossless"] for r in g),
-                **st,
-            }
-        )
-    tau = pd.DataFrame(rows)
-    base = tau[tau.method == "none"].set_index("dataset")["s_per_token"]
-    tau["measured_speedup"] = [
-        base.get(d, float("nan")) / s for d, s in zip(tau.dataset, tau.s_per_token, strict=True)
-    ]
-    ratio = {"eagle3": cost_ratio if cost_ratio is not None else float("nan"), "ngram": 0.0, "none": 0.0}
-    tau["est_speedup"] = [
-        t / (1 + ratio[m] * (k if m == "eagle3" else 0)) for m, t in zip(tau.method, tau.tau, strict=True)
-    ]
-    pos = [
-        {
-            "method": r["method"],
-            "dataset": r["dataset"],
-            "position": i,
-            "acc": r[f"acc_{i}"],
-            "cond_acc": r[f"cond_acc_{i}"],
-        }
-        for r in rows
-        for i in range(1, k + 1)
-    ]
-    hist = tau[["method", "dataset"] + [f"a={j}" for j in range(k + 1)]]
-    return tau, pd.DataFrame(pos), hist
-
-
-def _groups(gens: list[dict]):
-    by: dict[tuple[str, str], list[dict]] = {}
-    for r in gens:
-        by.setdefault((r["method"], r["dataset"]), []).append(r)
-        by.setdefault((r["method"], "all"), []).append(r)
-    return sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] == "all", kv[0][1]))
-
-
-def cost_ratio(gens: list[dict]) -> float | None:
-    """Measured seconds per drafter forward / seconds per target verify forward (eagle3 runs)."""
-    g = [r for r in gens if r["method"] == "eagle3"]
-    d_calls, t_calls = sum(r["draft_calls"] for r in g), sum(r["target_calls"] for r in g)
-    if not d_calls or not t_calls:
-        return None
-    return (sum(r["draft_s"] for r in g) / d_calls) / (sum(r["target_s"] for r in g) / t_calls)
 
 
 # --- offline decoding ---------------------------------------------------------------------------------
@@ -332,27 +258,24 @@ def _overall_online(raw: dict[str, dict], engine: str) -> float:
     return sum(o["completion_tokens"] for o in raw.values()) / verify if verify else float("nan")
 
 
-def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, target_cfg, load) -> dict[str, Path]:
-    """Stage 05's exports when complete, else export the drafter into eval/export/ (both formats)."""
+def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:
+    """Stage 05's exports when complete, else export the drafter (load()) into eval/export/ (both formats)."""
     made = {f: cfg.out("drafter", "export", f) for f in export.FORMATS}
     if all((d / export.CONFIG).exists() and (d / export.WEIGHTS).exists() for d in made.values()):
         return made
-    arch = list(getattr(target_cfg, "architectures", None) or ["LlamaForCausalLM"])
+    arch = list(tcfg.get("architectures") or ["LlamaForCausalLM"])
+    verifier = models.resolve(cfg.shared.target)
     return export.export_all(
-        load(),
-        cfg.out("eval", "export"),
-        models.resolve(cfg.shared.target),
-        arch,
-        cfg.stage.num_steps,
-        cfg.stage.export_dtype,
+        load(), cfg.out("eval", "export"), verifier, arch, cfg.stage.num_steps, cfg.stage.export_dtype
     )
 
 
 def headline(
-    tau: pd.DataFrame, pf: list[dict], online: pd.DataFrame | None, overall_online: float | None, k: int
-):
+    tau: pd.DataFrame, pf: list[dict], online: pd.DataFrame | None, overall_online: float | None, p: Params
+) -> dict:
     """The numbers report.record keeps: taus, per-position acceptance, speedups, losslessness, checks."""
     h: dict = {"preflight_ok": all(r["ok"] for r in pf)}
+    k = p.num_steps
     if len(tau):
         allr = tau[tau.dataset == "all"].set_index("method")
         h["lossless"] = bool(tau.lossless.all())
@@ -363,10 +286,8 @@ def headline(
             e = allr.loc["eagle3"]
             h["acc_eagle3"] = [float(e[f"acc_{i}"]) for i in range(1, k + 1)]
             h["cond_acc_eagle3"] = [float(e[f"cond_acc_{i}"]) for i in range(1, k + 1)]
-            h["est_speedup_eagle3"], h["measured_speedup_eagle3"] = (
-                float(e.est_speedup),
-                float(e.measured_speedup),
-            )
+            h["est_speedup_eagle3"] = float(e.est_speedup)
+            h["measured_speedup_eagle3"] = float(e.measured_speedup)
             per = tau[(tau.method == "eagle3") & (tau.dataset != "all")]
             h["tau_eagle3_by_dataset"] = dict(zip(per.dataset, per.tau.astype(float), strict=True))
     if online is not None:
@@ -374,15 +295,51 @@ def headline(
         h["online_tau_by_dataset"] = dict(zip(online.dataset, online.online_tau.astype(float), strict=True))
         h["online_verdicts"] = dict(zip(online.dataset, online.verdict, strict=True))
         h["online_greedy_equal"] = float(online.greedy_equal.mean())
+        col = "tau" if p.online_engine == "vllm" else "tokens_per_step"
+        off = tau[(tau.method == "eagle3") & (tau.dataset == "all")][col] if len(tau) else []
+        off_tau = float(off.iloc[0]) if len(off) else None
+        h["online_verdict"] = preflight.diagnose(off_tau, overall_online, p.online_tolerance)
     return h
+
+
+def _models(cfg: params.StageConfig, drafter_dir: Path):
+    """(target or None, drafter or None, target text config dict): loaded only when decoding offline."""
+    from eagle_lib.drafter import load_drafter
+
+    if not cfg.stage.offline:
+        return None, None, preflight.target_text_config(cfg.shared.target, cfg.shared.trust_remote_code)
+    target = models.load_target(cfg.shared)
+    drafter = load_drafter(drafter_dir, device=target.device)
+    return target, drafter, preflight.text_config_dict(target.config)
+
+
+def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict) -> list[dict]:
+    """Preflight every export against the target and the intended commands."""
+    p, sh = cfg.stage, cfg.shared
+    launch = {
+        "num_steps": p.num_steps,
+        "topk": p.topk,
+        "num_draft_tokens": p.num_draft_tokens,
+        "tp": p.serve_tp,
+    }
+    trained = _trained_aux(Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final"))
+    args = (sh.target, p.sglang_cmd, None, sh.trust_remote_code, tcfg, trained)
+    return [preflight.preflight(d, *args, **launch).to_dict() for d in exports.values()]
+
+
+def _trained_aux(drafter_dir: Path) -> list[int] | None:
+    """The aux layers in the trained drafter's own config (drafter_config.json), if there is one."""
+    from eagle_lib.drafter import CONFIG_FILE
+
+    f = drafter_dir / CONFIG_FILE
+    return json.loads(f.read_text())["config"]["aux_layers"] if f.exists() else None
 
 
 def run(cfg: params.StageConfig) -> Eval:
     """The whole stage: held-out prompts, exports + preflight, offline decoding, online check, files."""
     from eagle_lib.drafter import load_drafter
 
-    p, shared, started = cfg.stage, cfg.shared, time.time()
-    out = cfg.out("eval")
+    p, shared, started, out = cfg.stage, cfg.shared, time.time(), cfg.out("eval")
     out.mkdir(parents=True, exist_ok=True)
     prompts, tally = heldout_prompts(cfg.run_dir, shared.heldout_percent, p)
     if not prompts:
@@ -391,69 +348,39 @@ def run(cfg: params.StageConfig) -> Eval:
             f"dropped: {tally['dropped']}"
         )
     drafter_dir = Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final")
-    target = models.load_target(shared) if p.offline else None
-    tcfg_obj = target.config if target is not None else None
-    dev = target.device if target is not None else "cpu"
-    drafter = load_drafter(drafter_dir, device=dev) if p.offline else None
-    tcfg = (
-        tcfg_obj.get_text_config().to_dict()
-        if tcfg_obj is not None
-        else preflight.target_text_config(shared.target, shared.trust_remote_code)
-    )
-    exports = ensure_exports(cfg, drafter_dir, tcfg_obj, lambda: drafter or load_drafter(drafter_dir))
-    pf = [
-        preflight.preflight(
-            d,
-            shared.target,
-            p.sglang_cmd,
-            None,
-            shared.trust_remote_code,
-            tcfg,
-            num_steps=p.num_steps,
-            topk=p.topk,
-            num_draft_tokens=p.num_draft_tokens,
-            tp=p.serve_tp,
-        ).to_dict()
-        for d in exports.values()
-    ]
+    target, drafter, tcfg = _models(cfg, drafter_dir)
+    exports = ensure_exports(cfg, drafter_dir, tcfg, lambda: drafter or load_drafter(drafter_dir))
+    pf = preflight_all(exports, cfg, tcfg)
     store.write_json(out / "preflight.json", pf)
     gens: list[dict] = []
     if p.offline:
         (out / "generations.jsonl").unlink(missing_ok=True)
-        tok = models.load_tokenizer(shared)
-        gens = decode_offline(target, drafter, prompts, p, eos_ids(tok, target), out / "generations.jsonl")
+        eos = eos_ids(models.load_tokenizer(shared), target)
+        gens = decode_offline(target, drafter, prompts, p, eos, out / "generations.jsonl")
     ratio = p.step_cost_ratio or cost_ratio(gens)
-    tau, pos, hist = (
-        tables(gens, p.num_steps, ratio) if gens else (pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
-    )
+    tau, pos, hist = tables(gens, p.num_steps, ratio) if gens else (pd.DataFrame(),) * 3
     for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist)):
         df.to_csv(out / f"{name}.csv", index=False)
     online, overall = None, None
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
         raw = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)))
-        online, overall = (
-            compare_online(raw, tau, gens, p.online_engine, p.online_tolerance),
-            _overall_online(raw, p.online_engine),
-        )
+        overall = _overall_online(raw, p.online_engine)
+        online = compare_online(raw, tau, gens, p.online_engine, p.online_tolerance)
         store.write_json(
             out / "online.json", {"engine": p.online_engine, "overall_tau": overall, "datasets": raw}
         )
-    h = headline(tau, pf, online, overall, p.num_steps)
-    h["cost_ratio"] = ratio
-    if online is not None and len(tau):
-        h["online_verdict"] = preflight.diagnose(
-            h.get("tau_eagle3") if p.online_engine == "vllm" else None, overall, p.online_tolerance
-        )
+    h = {**headline(tau, pf, online, overall, p), "cost_ratio": ratio}
+    done = time.time()
     meta = {
         **tally,
         "params": p.model_dump(),
         "drafter_dir": str(drafter_dir),
+        "headline": h,
         "exports": {k: str(v) for k, v in exports.items()},
         "started": started,
-        "finished": time.time(),
-        "seconds": time.time() - started,
-        "headline": h,
+        "finished": done,
+        "seconds": done - started,
     }
     store.check_tally(meta, str(out / "meta.json"))
     store.write_json(out / "meta.json", meta)
@@ -499,48 +426,46 @@ def launch_text(ev: Eval) -> str:
 
 
 def plot_positions(ev: Eval):
-    """Per-position acceptance of eagle3 (unconditional and conditional), one line per dataset; saved as PNG."""
+    """Per-position acceptance of eagle3 (unconditional, conditional), one line per dataset, all pooled in black
+    and the n-gram baseline dashed; saved as PNG."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    pos = ev.positions[ev.positions.method == "eagle3"] if len(ev.positions) else ev.positions
-    for ax, col, title in zip(
-        axes, ["acc", "cond_acc"], ["P(draft i accepted)", "P(draft i | drafts < i accepted)"], strict=False
-    ):
-        for ds, g in pos.groupby("dataset") if len(pos) else []:
+    pos = ev.positions if len(ev.positions) else pd.DataFrame(columns=["method", "dataset", "position"])
+    titles = {"acc": "P(draft i accepted)", "cond_acc": "P(draft i accepted | drafts < i accepted)"}
+    for ax, (col, title) in zip(axes, titles.items(), strict=True):
+        for (m, ds), g in pos[pos.method.isin(["eagle3", "ngram"])].groupby(["method", "dataset"]):
+            if m == "ngram" and ds != "all":
+                continue
+            style = {"lw": 3, "color": "k"} if ds == "all" and m == "eagle3" else {"lw": 1}
+            style = {"ls": "--", "color": "grey"} if m == "ngram" else style
             ax.plot(
-                g.position,
-                g[col],
-                marker="o",
-                lw=3 if ds == "all" else 1,
-                label=ds,
-                color="k" if ds == "all" else None,
+                g.position, g[col], marker="o", label=f"{ds}" if m == "eagle3" else "ngram (all)", **style
             )
-        ax.set(title=title, xlabel="draft position", ylim=(0, 1))
+        ax.set(title=title, xlabel="draft position", ylim=(0, 1), xticks=sorted(pos.position.unique()))
     axes[0].set_ylabel("acceptance")
-    axes[1].legend(fontsize=7, loc="upper right")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     fig.savefig(ev.out_dir / "positions.png", dpi=110)
+    plt.close(fig)  # shown once, as the cell's value
     return fig
 
 
 def plot_datasets(ev: Eval):
-    """tau per dataset and method as grouped bars (online tau as black marks when measured); saved as PNG."""
+    """tau per dataset and method as grouped bars, the server's tau as one more bar when measured; saved as PNG."""
     import matplotlib.pyplot as plt
 
     t = tau_summary(ev).drop(columns=["prompts", "lossless"], errors="ignore")
+    t = t[[m for m in ("none", "ngram", "eagle3") if m in t.columns]]
+    if ev.online is not None and len(t):
+        t[f"eagle3 online ({ev.online.engine.iloc[0]})"] = ev.online.set_index("dataset").online_tau
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(t) + 2), 4))
     if len(t):
         t.plot.bar(ax=ax, rot=30)
-    if ev.online is not None and len(t):
-        x = {d: i for i, d in enumerate(t.index)}
-        on = ev.online[ev.online.dataset.isin(x)]
-        ax.scatter(
-            [x[d] for d in on.dataset], on.online_tau, marker="_", s=400, color="k", zorder=3, label="online"
-        )
-        ax.legend()
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     ax.set(ylabel="tau (accepted + 1 per target step)", xlabel="")
     ax.axhline(1.0, color="grey", lw=0.8)
     fig.tight_layout()
     fig.savefig(ev.out_dir / "tau_by_dataset.png", dpi=110)
+    plt.close(fig)  # shown once, as the cell's value
     return fig

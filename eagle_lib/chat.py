@@ -86,14 +86,17 @@ class ChatEncoder:
         self.backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
         self.probe = probe_template(self)
 
-    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False
+    ) -> str:
         """The template's text for ``messages`` (no tokenization)."""
         try:
             return self.tok.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
                 **self.kwargs,
             )  # fmt: skip
-        except Exception as e:  # jinja raises whatever the template author chose (TemplateError, TypeError...)
+        # jinja raises whatever the template author chose (TemplateError, TypeError, ...)
+        except Exception as e:
             raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def tokenize(self, text: str) -> list[int]:
@@ -110,7 +113,9 @@ class ChatEncoder:
         """Token ids and loss mask of a whole conversation (assistant turns: all, or the last only)."""
         return self.encode_text(self.render(messages, tools), messages, tools, turns)
 
-    def encode_text(self, text: str, messages: list[dict], tools: list | None = None, turns: Turns = "all") -> Encoded:
+    def encode_text(
+        self, text: str, messages: list[dict], tools: list | None = None, turns: Turns = "all"
+    ) -> Encoded:
         """Token ids and loss mask of ``text``, the render of ``messages`` (one tokenization, spans by scan)."""
         asst = [m for m in messages if m["role"] == "assistant"]
         spans, method = self._scan_spans(text, asst), "scan"
@@ -133,7 +138,7 @@ class ChatEncoder:
         if len(starts) != len(asst):
             return None
         spans = []
-        for k, (b, msg) in enumerate(zip(starts, asst)):
+        for k, (b, msg) in enumerate(zip(starts, asst, strict=True)):
             limit = starts[k + 1] - len(header) if k + 1 < len(starts) else len(text)
             e = text.find(end, b, limit)
             if e < 0 or not _holds(text, b, e, msg):
@@ -158,7 +163,9 @@ class ChatEncoder:
                     gen = self.render(hist, tools, add_generation_prompt=True)
                     b = max(b, len(base) + _common_prefix_len(gen[len(base) :], text[len(base) :]))
             if b < 0:
-                raise ChatError(f"message {i}: the template renders the history before it unlike the full text")
+                raise ChatError(
+                    f"message {i}: the template renders the history before it unlike the full text"
+                )
             anchor = _after_message(text, b, m)
             e = text.find(self.probe.end, anchor)
             if e < 0:
@@ -215,7 +222,9 @@ def _after_message(text: str, b: int, msg: dict) -> int:
     """Position after the message's content and tool-call names in ``text`` (searching from ``b``)."""
     pos = b
     content = msg.get("content") if isinstance(msg.get("content"), str) else ""
-    for needle in [content.strip()] + [tc.get("function", tc).get("name", "") for tc in msg.get("tool_calls") or []]:
+    for needle in [content.strip()] + [
+        tc.get("function", tc).get("name", "") for tc in msg.get("tool_calls") or []
+    ]:
         k = text.find(needle, pos) if needle else -1
         if k >= 0:
             pos = k + len(needle)

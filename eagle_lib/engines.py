@@ -15,7 +15,7 @@ import hashlib
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Request:
+    """One prompt to answer: its sample id and token ids (already rendered with the chat template)."""
+
     id: str
     prompt_ids: list[int]
 
@@ -74,7 +76,6 @@ class Failure:
     detail: str = ""
     server: str = ""
     retries: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def check_vocab(model_vocab: int, tokenizer, where: str) -> None:
@@ -94,7 +95,7 @@ def _pick_tokens(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Gene
     probs = torch.softmax(logits / sampling.temperature, dim=-1)  # (B, V)
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(dim=-1) - sorted_p > sampling.top_p  # keep the smallest prefix reaching top_p
+        drop = sorted_p.cumsum(dim=-1) - sorted_p >= sampling.top_p  # keep the smallest prefix reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     rows = [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)]

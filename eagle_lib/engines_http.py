@@ -188,7 +188,9 @@ class HttpEngine:
     def compare_tokens(self, url: str, served: str, server_ids, local_ids: list[int]) -> None:
         """The server must tokenize the probe text exactly as the target tokenizer does."""
         if server_ids != local_ids:
-            first = next((i for i, (a, b) in enumerate(zip(server_ids or [], local_ids, strict=False)) if a != b), None)
+            first = next(
+                (i for i, (a, b) in enumerate(zip(server_ids or [], local_ids, strict=False)) if a != b), None
+            )
             raise EngineError(
                 f"{url}: serves {served!r}, whose vocabulary does not match the target tokenizer: the probe text "
                 f"tokenizes to {str(server_ids)[:80]} on the server vs {str(local_ids)[:80]} locally "
@@ -225,7 +227,7 @@ class HttpEngine:
         self.retries = 0
         work: asyncio.Queue = asyncio.Queue()
         for r in requests:
-            work.put_nowait((r, 0, time.monotonic()))
+            work.put_nowait((r, 0, None))
         state = {"left": len(requests)}
         async with self._session() as session:
             workers = [
@@ -241,6 +243,7 @@ class HttpEngine:
                 req, attempt, t0 = await asyncio.wait_for(work.get(), timeout=0.2)
             except TimeoutError:
                 continue  # other workers may still put retried requests back
+            t0 = t0 or time.monotonic()  # latency counts from the first attempt, retries included
             try:
                 data = await self.request_json(session, "POST", url + self.path, self.payload(req))
                 ids, finish = self.parse(req, data)

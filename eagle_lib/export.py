@@ -10,7 +10,9 @@ Two formats, safetensors only, each a directory with ``config.json`` + ``model.s
   normalisation flag written out (vLLM defaults a missing ``norm_before_residual`` to True, which is not
   this drafter).
 
-The target's token embedding is never exported: both engines share the target's.
+The target's token embedding is never exported: both engines share the target's. When the draft vocab is
+the full target vocab, ``d2t`` / ``t2d`` are left out too: vLLM 0.32 then has no ``draft_id_to_target_id``
+parameter and refuses a checkpoint that carries one (speculators 0.9 omits them as well).
 
 Aux layer ids: one number, two conventions. SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``
 names decoder-layer *outputs* (0-based; SGLang captures at the input of layer id+1), which is our

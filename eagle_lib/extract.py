@@ -1,12 +1,12 @@
 """Stage 02_extract_B: prompt-only (B) datasets -> prompts in the target's token space, for regeneration.
 
 Each B row is normalized (:mod:`eagle_lib.formats`), cut before the assistant turn to regenerate (the first or
-the last one; a conversation that ends on a user turn is a prompt as it stands), rendered with the target's
+the last one; a conversation ending on a user turn is, for `last`, a prompt as it stands), rendered with the target's
 chat template plus its generation prompt and tokenized: ``prompt_ids`` is exactly what stage 03 sends to the
 engine. Prompts are filtered (``n_prompt_tokens + max_new_tokens <= max_seq_len``), deduplicated (a hash of the
 normalized prompt; SWE trajectories by instance id, since many agent runs share one issue) and capped per
 dataset by a seeded sample (the ``max_prompts`` prompts with the smallest seeded hash of their id: the same
-sample whatever the worker count or file order). Output: ``data/B/<dataset>/prompts.jsonl`` (+ rejects.jsonl,
+sample whatever the worker count or batch size). Output: ``data/B/<dataset>/prompts.jsonl`` (+ rejects.jsonl,
 meta.json with read = kept + dropped + rejected).
 """
 
@@ -26,12 +26,15 @@ from eagle_lib import chat, formats, models, params, prepare, store
 class BSource(formats.Source):
     """A B dataset: where it lives, its adapter, which turn to regenerate and how many prompts to keep."""
 
-    turn: Literal["first", "last"] = "first"  # assistant turn to regenerate: the prompt is everything before it
-    max_prompts: int = 0  # cap on kept prompts, a seeded sample (0 = keep all)
+    turn: Literal["first", "last"] = (
+        "first"  # assistant turn to regenerate: the prompt is everything before it
+    )
+    max_prompts: int = 0  # cap on kept prompts, a seeded sample (0: keep all)
 
 
 def _toy(name: str, adapter: str, **kw: Any) -> BSource:
-    return BSource(name=name, path=f"toy://data/{name}", adapter=adapter, **kw)
+    """A toy B dataset; 64 prompts each keeps the toy regeneration (03) a few CPU minutes."""
+    return BSource(name=name, path=f"toy://data/{name}", adapter=adapter, max_prompts=64, **kw)
 
 
 _TOY_B = [
@@ -49,21 +52,28 @@ _TOY_B = [
 class Params(params.Strict):
     """02_extract_B parameters."""
 
-    datasets: list[BSource] = _TOY_B  # B sources: {name, path, adapter, turn, max_prompts, config, split, ...}
-    max_seq_len: int = 2048  # a prompt is kept only if n_prompt_tokens + max_new_tokens <= max_seq_len
+    datasets: list[BSource] = _TOY_B  # B sources: {name, path, adapter, turn, max_prompts, ...}
+    max_seq_len: int = 2048  # a prompt is kept only if its tokens + max_new_tokens fit in this
     max_new_tokens: int = 512  # the generation budget assumed by the length filter (stage 03 has its own)
     dedup: bool = True  # drop prompts whose normalized text (or SWE instance id) was already kept
     max_reject_fraction: float = 0.1  # a dataset rejecting more than this share of its rows fails the stage
-    chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (e.g. {"thinking": true})
+    chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
     batch_size: int = 64  # rows per worker task
 
     _unique = field_validator("datasets")(prepare.unique_names)
 
 
+# the tally helpers are the same for both data stages (the notebook imports this module only)
+reasons_table, rejects_sample, tally_table, headline = (
+    prepare.reasons_table, prepare.rejects_sample, prepare.tally_table, prepare.headline
+)  # fmt: skip
+
+
 def prompt_messages(messages: list[dict], turn: str) -> list[dict] | None:
     """The messages before the assistant turn to regenerate; None when there is no such turn.
 
-    A conversation that ends on a user or tool turn is a prompt as it stands (its answer is missing).
+    A conversation that ends on a user or tool turn is a prompt as it stands for ``last`` (its answer is
+    missing), and for ``first`` too when it has no assistant turn at all.
     """
     if messages and messages[-1]["role"] in ("user", "tool") and turn == "last":
         return messages
@@ -79,7 +89,10 @@ def prompt_key(messages: list[dict], tools: list) -> str:
     """Dedup key: hash of the prompt with case and whitespace normalized (tool names included)."""
 
     def norm(m: dict) -> list:
-        calls = [tc["function"]["name"] + " ".join(tc["function"]["arguments"].split()) for tc in m.get("tool_calls") or []]
+        calls = [
+            tc["function"]["name"] + " ".join(tc["function"]["arguments"].split())
+            for tc in m.get("tool_calls") or []
+        ]
         return [m["role"], " ".join(m.get("content", "").lower().split()), calls]
 
     blob = json.dumps([[norm(m) for m in messages], sorted(t["function"].get("name", "") for t in tools)])
@@ -163,7 +176,9 @@ def run_dataset(cfg: params.StageConfig, src: BSource, root: Path, tok: Any, ini
     out = prepare.DatasetOutput(root, src.name, "prompts.jsonl", key)
     cands = _Candidates(out, cfg.shared.seed, p.dedup)
     n_workers = models.num_workers(cfg.shared.num_workers)
-    for results in prepare.parallel_map(_extract_batch, prepare.batches(src, p.batch_size), n_workers, initargs):
+    for results in prepare.parallel_map(
+        _extract_batch, prepare.batches(src, p.batch_size), n_workers, initargs
+    ):
         for kind, payload in results:
             cands.add(kind, payload)
     _, tokens = cands.publish(src.max_prompts)
@@ -184,10 +199,12 @@ def run(cfg: params.StageConfig) -> dict:
     return prepare.finish_stage(cfg, root, metas, started)
 
 
-def preview(run_dir: str | Path, dataset: str, tokenizer: Any, n_chars: int = 800) -> str:
-    """The first prompt of a dataset, decoded from its prompt_ids (what the engine will be sent)."""
-    rec = next(store.iter_jsonl(Path(run_dir) / "data" / "B" / dataset / "prompts.jsonl"), None)
+def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 800) -> str:
+    """The first prompt of a dataset decoded from its prompt_ids (exactly what the engine will be sent)."""
+    rec = next(store.iter_jsonl(cfg.out("data", "B", dataset, "prompts.jsonl")), None)
     if rec is None:
         return f"{dataset}: no prompts"
-    text = tokenizer.decode(rec["prompt_ids"])
-    return f"{rec['id']} ({rec['n_prompt_tokens']} tokens):\n" + (text if len(text) <= n_chars else "..." + text[-n_chars:])
+    text = models.load_tokenizer(cfg.shared).decode(rec["prompt_ids"])
+    return f"{rec['id']} ({rec['n_prompt_tokens']} tokens):\n" + (
+        text if len(text) <= n_chars else "..." + text[-n_chars:]
+    )

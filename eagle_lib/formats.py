@@ -22,9 +22,8 @@ from typing import Any, Literal
 
 from eagle_lib import params
 
-Adapter = Literal[
-    "glaive", "mot", "openthoughts", "swe_agent", "opencodeinstruct", "sharegpt", "ultrachat", "openai", "pretokenized"
-]
+Adapter = Literal["glaive", "mot", "openthoughts", "swe_agent", "opencodeinstruct", "sharegpt", "ultrachat",
+                  "openai", "pretokenized"]  # fmt: skip
 
 
 class Source(params.Strict):
@@ -32,11 +31,11 @@ class Source(params.Strict):
 
     name: str  # dataset name: output directory data/<A|B>/<name>/ and the `source` field of records
     path: str  # local .jsonl/.json/.parquet file, toy://data/<name>, or a hub dataset id
-    adapter: Adapter  # glaive|mot|openthoughts|swe_agent|opencodeinstruct|sharegpt|ultrachat|openai|pretokenized
-    config: str = ""  # hub dataset config (e.g. "all" for Mixture-of-Thoughts); empty = default
+    adapter: Adapter  # the schema: glaive, mot, openthoughts, swe_agent, sharegpt, openai, ... (see ADAPTERS)
+    config: str = ""  # hub dataset config (e.g. "all" for Mixture-of-Thoughts); empty: default
     split: str = "train"  # hub dataset split
     streaming: bool = False  # stream a hub dataset instead of downloading it whole
-    max_read: int = 0  # stop after reading this many rows (0 = all)
+    max_read: int = 0  # stop after reading this many rows (0: all)
     drop_system: bool = False  # drop system messages (e.g. OpenThoughts' format-forcing system prompt)
     target_only: bool = False  # swe_agent: keep only trajectories whose `target` is true (resolved runs)
 
@@ -99,13 +98,16 @@ def _iter_json(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
         for i, row in enumerate(data):
             yield _checked({"file": str(path), "row": i}, row)
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = {"file": str(path), "line": lineno}
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                yield where, None, f"invalid UTF-8 at byte {e.start}"
+                continue
             except json.JSONDecodeError as e:
                 yield where, None, f"invalid JSON: {e.msg} (column {e.colno})"
                 continue
@@ -207,7 +209,9 @@ def _from_role_value(turns: Any, roles: dict[str, str], what: str) -> list[dict]
 # ---------------------------------------------------------------- glaive-function-calling-v2
 
 _GLAIVE_TURN = re.compile(r"(?:^|\n)[ \t]*(USER|ASSISTANT|FUNCTION RESPONSE):[ \t]?")
-_GLAIVE_CALL = re.compile(r'^\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:\s*(?P<args>.*)\}$', re.S)
+_GLAIVE_CALL = re.compile(
+    r'^\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,\s*"arguments"\s*:\s*(?P<args>.*)\}$', re.S
+)
 
 
 def _glaive_tools(system: str) -> tuple[str, list[dict]]:
@@ -246,7 +250,11 @@ def _glaive_call(text: str, idx: int) -> dict:
     except json.JSONDecodeError:
         raise Malformed(f"<functioncall> arguments are not valid JSON: {args[:80]!r}") from None
     name = m.group("name")
-    return {"id": f"functions.{name}:{idx}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {
+        "id": f"functions.{name}:{idx}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 def adapt_glaive(row: dict, src: Source, rid: str) -> dict:
@@ -258,7 +266,7 @@ def adapt_glaive(row: dict, src: Source, rid: str) -> dict:
     messages = [{"role": "system", "content": prompt}] if prompt else []
     pending: list[dict] = []
     n_calls = 0
-    for marker, body in zip(parts[1::2], parts[2::2]):
+    for marker, body in zip(parts[1::2], parts[2::2], strict=True):
         body = body.replace("<|endoftext|>", "").strip()
         if marker == "USER":
             messages.append({"role": "user", "content": body})
@@ -287,7 +295,13 @@ def adapt_mot(row: dict, src: Source, rid: str) -> dict:
 
 def adapt_openthoughts(row: dict, src: Source, rid: str) -> dict:
     """OpenThoughts-114k {system, conversations[user|assistant]} and OpenThoughts3 {conversations[human|gpt]}."""
-    roles = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+    roles = {
+        "user": "user",
+        "human": "user",
+        "assistant": "assistant",
+        "gpt": "assistant",
+        "system": "system",
+    }
     messages = _from_role_value(_field(row, "conversations", list), roles, "conversations")
     system = row.get("system")
     if system is not None and not isinstance(system, str):
@@ -336,7 +350,9 @@ def adapt_ultrachat(row: dict, src: Source, rid: str) -> dict:
 
 def adapt_openai(row: dict, src: Source, rid: str) -> dict:
     """OpenAI-style {id?, messages|conversations, tools?}: tool_calls, tool_call_id, reasoning_content kept."""
-    key = "messages" if "messages" in row else "conversations"
+    key = "messages" if "messages" in row or "conversations" not in row else "conversations"
+    if row.get(key) is None:
+        raise Malformed("missing field 'messages' (or 'conversations')")
     messages = _openai_messages(_field(row, key, list), key)
     tools = row.get("tools") or []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -375,7 +391,13 @@ def _openai_messages(raw: list, what: str) -> list[dict]:
     out = []
     for k, m in enumerate(raw):
         w = f"{what}[{k}]"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "developer",
+        ):
             raise Malformed(f"{w}: expected an object with role system|user|assistant|tool")
         role = "system" if m["role"] == "developer" else m["role"]
         content = _content(m.get("content"), w)
@@ -389,10 +411,16 @@ def _openai_messages(raw: list, what: str) -> list[dict]:
         if m.get("tool_calls"):
             if not isinstance(m["tool_calls"], list):
                 raise Malformed(f"{w}: tool_calls must be a list")
-            extra["tool_calls"] = [_tool_call(tc, f"{w}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])]
+            extra["tool_calls"] = [
+                _tool_call(tc, f"{w}.tool_calls[{j}]") for j, tc in enumerate(m["tool_calls"])
+            ]
         reasoning = m.get("reasoning_content", m.get("reasoning"))
         if reasoning is not None:
-            msg = {"role": "assistant", "content": content.strip(), "reasoning_content": _text(reasoning, w).strip()}
+            msg = {
+                "role": "assistant",
+                "content": content.strip(),
+                "reasoning_content": _text(reasoning, w).strip(),
+            }
             msg.update(extra)
         else:
             msg = assistant(content, **extra)

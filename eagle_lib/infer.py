@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,7 +35,7 @@ class Params(params.Strict):
 
     datasets: list[str] = []  # B datasets (dirs under data/B) to regenerate; empty: all with prompts.jsonl
     limit: int = 0  # first N prompts of each dataset (0: all)
-    engine: Literal["embedded", "sglang", "openai"] = "embedded"  # embedded (in-process) | sglang | openai (vLLM)
+    engine: Literal["embedded", "sglang", "openai"] = "embedded"  # in-process | SGLang | vLLM (OpenAI API)
     server_urls: list[str] = []  # base URLs of the servers for sglang/openai, e.g. http://node0:30000
     served_model: str = ""  # openai: model name on the server; empty: the first one /v1/models lists
     api_key_env: str = ""  # NAME of the environment variable holding the servers' API key; empty: none
@@ -53,6 +54,7 @@ class Params(params.Strict):
     max_model_len: int = 0  # embedded: context window; 0: the target config's
     write_every: int = 64  # responses per durable append (also flushed every 30 s)
     retry_errors: bool = True  # re-run ids that failed in an earlier run
+    on_stale: Literal["error", "set_aside"] = "error"  # records of other prompts/sampling: stop | set aside
     max_error_fraction: float = 0.01  # the stage fails (after writing everything) when more prompts error
     progress: bool = True  # progress bar with tokens/s and ETA per dataset
 
@@ -102,6 +104,7 @@ def load_prompts(path: Path, limit: int = 0) -> list[dict]:
 
 
 def file_sha256(path: Path) -> str:
+    """Input fingerprint for meta.json."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -109,31 +112,58 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_done(ds_dir: Path, prompts: dict[str, dict], sampling: dict) -> tuple[dict[str, dict], int]:
+def stale_reason(rec: dict, prompts: dict[str, dict], sampling: dict) -> str:
+    """Why a committed record does not belong to this run ('' when it does)."""
+    p = prompts.get(rec.get("id"))
+    if p is None:
+        return "its id is not in prompts.jsonl"
+    if rec.get("prompt_ids") != p["prompt_ids"]:
+        return "its prompt_ids differ from prompts.jsonl"
+    return (
+        f"it was sampled with {rec.get('sampling')}, this run asks {sampling}"
+        if rec.get("sampling") != sampling
+        else ""
+    )
+
+
+def set_aside(f: Path, ds_dir: Path, prompts: dict[str, dict], sampling: dict) -> int:
+    """Move a file's stale records to <dataset>/stale.jsonl (appended first, then the file replaced atomically)."""
+    keep, stale = [], []
+    for rec in store.iter_jsonl(f):
+        (stale if stale_reason(rec, prompts, sampling) else keep).append(rec)
+    if stale:
+        store.append_jsonl(ds_dir / "stale.jsonl", stale)
+        tmp = f.with_suffix(".jsonl.tmp")
+        tmp.unlink(missing_ok=True)
+        store.append_jsonl(tmp, keep)
+        tmp.touch()
+        os.replace(tmp, f)
+    return len(stale)
+
+
+def load_done(
+    ds_dir: Path, prompts: dict[str, dict], sampling: dict, on_stale: str = "error"
+) -> tuple[dict, int]:
     """Committed responses (main file first, then shard files): id -> {finish_reason, n_output_tokens, file}.
 
-    A record whose id is not a current prompt, or whose prompt_ids / sampling differ, stops the run: it was
-    made by another run and must not be mixed in silently. Returns (done, duplicate lines ignored).
+    A record whose id is not a current prompt, or whose prompt_ids / sampling differ, was made by another run
+    and is never mixed in silently: the run stops naming it (on_stale "error") or moves such records to
+    stale.jsonl ("set_aside"). Returns (done, duplicate lines ignored).
     """
     done: dict[str, dict] = {}
     dups = 0
     for f in [ds_dir / "responses.jsonl", *sorted(ds_dir.glob("shards/*/responses.jsonl"))]:
         for rec in store.iter_jsonl(f):
-            sid = rec.get("id")
-            p = prompts.get(sid)
-            why = ("its id is not in prompts.jsonl" if p is None
-                   else "its prompt_ids differ from prompts.jsonl" if rec.get("prompt_ids") != p["prompt_ids"]
-                   else f"it was sampled with {rec.get('sampling')}, this run asks {sampling}"
-                   if rec.get("sampling") != sampling else "")  # fmt: skip
-            if why:
-                raise InferError(
-                    f"{f}: record {sid!r} is stale: {why}. Move {ds_dir} away or restore the params "
-                    "that made it (nothing was deleted)."
-                )
-            if sid in done:
+            if why := stale_reason(rec, prompts, sampling):
+                if on_stale == "set_aside":
+                    set_aside(f, ds_dir, prompts, sampling)
+                    return load_done(ds_dir, prompts, sampling, on_stale)
+                raise InferError(f"{f}: record {rec.get('id')!r} is stale: {why}. Set on_stale: set_aside, move "
+                                 f"{ds_dir} away or restore the params that made it (nothing was deleted).")  # fmt: skip
+            if rec["id"] in done:
                 dups += 1
                 continue
-            done[sid] = {
+            done[rec["id"]] = {
                 "finish_reason": rec["finish_reason"],
                 "n_output_tokens": rec["n_output_tokens"],
                 "file": f,
@@ -193,39 +223,25 @@ def resolve_stop_ids(cfg: params.StageConfig, tokenizer, model=None) -> list[int
 def make_engine(cfg: params.StageConfig, tokenizer):
     """The configured engine, with its Sampling (stop ids resolved)."""
     p, shared = cfg.stage, cfg.shared
+
+    def sampling(model=None) -> Sampling:
+        stop = tuple(resolve_stop_ids(cfg, tokenizer, model))
+        return Sampling(p.temperature, p.top_p, p.max_new_tokens, shared.seed, stop)
+
     if p.engine == "embedded":
         import torch
 
         if models.pick_device(shared.device).type == "cpu":
             torch.set_num_threads(models.num_workers(shared.num_workers))
-        dtype = None if p.dtype == "auto" else getattr(torch, p.dtype)
-        model = models.load_target(shared, dtype=dtype)
-        s = Sampling(
-            p.temperature,
-            p.top_p,
-            p.max_new_tokens,
-            shared.seed,
-            tuple(resolve_stop_ids(cfg, tokenizer, model)),
-        )
-        return EmbeddedEngine(model, s, p.batch_size, p.max_batch_tokens, p.max_model_len)
+        model = models.load_target(shared, dtype=None if p.dtype == "auto" else getattr(torch, p.dtype))
+        return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len)
     from eagle_lib.engines_http import OpenAIEngine, SGLangEngine
 
-    classes = {"sglang": SGLangEngine, "openai": OpenAIEngine}
-    s = Sampling(
-        p.temperature, p.top_p, p.max_new_tokens, shared.seed, tuple(resolve_stop_ids(cfg, tokenizer))
-    )
-    return classes[p.engine](
-        p.server_urls,
-        s,
-        vocab_size=len(tokenizer),
-        concurrency=p.concurrency,
-        timeout_s=p.timeout_s,
-        max_retries=p.max_retries,
-        backoff_s=p.backoff_s,
-        backoff_max_s=p.backoff_max_s,
-        api_key=params.secret_from_env(p.api_key_env, "03_infer servers"),
-        model=p.served_model,
-    )
+    cls = {"sglang": SGLangEngine, "openai": OpenAIEngine}[p.engine]
+    api_key = params.secret_from_env(p.api_key_env, "03_infer servers")
+    return cls(p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency, timeout_s=p.timeout_s,
+               max_retries=p.max_retries, backoff_s=p.backoff_s, backoff_max_s=p.backoff_max_s, api_key=api_key,
+               model=p.served_model)  # fmt: skip
 
 
 class Writer:
@@ -281,18 +297,10 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
                 stats["generated_tokens"] += len(item.output_ids)
             else:
                 assert isinstance(item, Failure)
-                errors.add(
-                    {
-                        "id": item.id,
-                        "source": src.get("source", name),
-                        "reason": item.reason,
-                        "detail": item.detail,
-                        "server": item.server,
-                        "retries": item.retries,
-                        "engine": engine.name,
-                        "time": time.time(),
-                    }
-                )
+                errors.add({
+                    "id": item.id, "source": src.get("source", name), "reason": item.reason, "detail": item.detail,
+                    "server": item.server, "retries": item.retries, "engine": engine.name, "time": time.time(),
+                })  # fmt: skip
                 stats["errors"] += 1
             bar.update(1)
             bar.set_postfix_str(
@@ -319,7 +327,7 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
     selected = [
         r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]
     ]
-    done, dups = load_done(ds_dir, prompts, engine.sampling.record())
+    done, dups = load_done(ds_dir, prompts, engine.sampling.record(), p.on_stale)
     merged = merge_shards(ds_dir, done) if shard is None else 0
     failed_before = error_ids(ds_dir)
     pending = [
@@ -391,26 +399,17 @@ def summary_table(meta: dict):
     """Per dataset: prompts, responses, errors (responses + errors = prompts), tokens, speed; plus TOTAL."""
     import pandas as pd
 
-    cols = [
-        "read",
-        "kept",
-        "rejected",
-        "resumed",
-        "generated",
-        "output_tokens",
-        "mean_output_tokens",
-        "max_output_tokens",
-        "tokens_per_s",
-        "retries",
-    ]
+    cols = ["read", "kept", "rejected", "resumed", "generated", "output_tokens", "mean_output_tokens",
+            "max_output_tokens", "tokens_per_s", "retries"]  # fmt: skip
     df = pd.DataFrame([{"dataset": n, **{c: m[c] for c in cols}} for n, m in meta["datasets"].items()])
-    total = df[["read", "kept", "rejected", "resumed", "generated", "output_tokens", "retries"]].sum()
-    df = pd.concat(
-        [df, pd.DataFrame([{"dataset": "TOTAL", **total.to_dict(), "tokens_per_s": meta["tokens_per_s"]}])]
-    )
-    return df.rename(columns={"read": "prompts", "kept": "responses", "rejected": "errors"}).reset_index(
-        drop=True
-    )
+    total = {
+        c: df[c].sum()
+        for c in ("read", "kept", "rejected", "resumed", "generated", "output_tokens", "retries")
+    }
+    total |= {"mean_output_tokens": round(meta["output_tokens"] / max(meta["kept"], 1), 2),
+              "max_output_tokens": df["max_output_tokens"].max(), "tokens_per_s": meta["tokens_per_s"]}  # fmt: skip
+    df = pd.concat([df, pd.DataFrame([{"dataset": "TOTAL", **total}])], ignore_index=True)
+    return df.rename(columns={"read": "prompts", "kept": "responses", "rejected": "errors"})
 
 
 def finish_table(meta: dict):

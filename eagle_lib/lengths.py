@@ -55,7 +55,10 @@ class Params(Strict):
     short_tokens: int = 32  # completions shorter than this count as short (bimodality summary)
     max_short_share: float = 0.25  # warn when more samples than this are short
     max_limit_share: float = 0.05  # warn when more samples than this ended at the limit (truncated)
-    reasoning_min_share: float = 0.5  # reasoning dataset: this share of uncut samples closes its thinking
+    min_reasoning_tokens: int = (
+        3  # a sample reasons if its thinking spans this many tokens (<think></think>: 2)
+    )
+    reasoning_min_share: float = 0.5  # reasoning dataset: this share of its uncut samples reasons
     p99_limit_fraction: float = 0.98  # warn when a reasoning dataset's p99 reaches this fraction of the limit
     min_median_ratio: float = 0.1  # warn when a median is below this fraction of the median of peers' medians
     min_samples_to_project: int = 30  # fewer completed samples than this: no projection, flagged
@@ -66,7 +69,12 @@ class Params(Strict):
 
 # ---------------------------------------------------------------- byte-level record scanning
 
-_ARRAYS = {"prompt": "q", "completion": "q", "reasoning": "q", "status": "b", "think": "b"}
+_ARRAYS = {
+    "prompt": "q",
+    "completion": "q",
+    "reasoning": "q",
+    "status": "b",
+}  # reasoning 0: no end-of-thinking
 _STATUS = {"stop": 0, "length": 1}  # anything else: 2
 
 
@@ -83,13 +91,12 @@ class Lengths:
     duplicates: int = 0  # lines whose id came earlier
     bytes_read: int = 0
 
-    def add(self, prompt: int, completion: int, reasoning: int, status: int, think: int) -> None:
+    def add(self, prompt: int, completion: int, reasoning: int, status: int) -> None:
         c = self.cols
         c["prompt"].append(prompt)
         c["completion"].append(completion)
         c["reasoning"].append(reasoning)
         c["status"].append(status)  # 0 stop, 1 at the limit, 2 other
-        c["think"].append(think)  # 1 if the completion holds the end-of-thinking token
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Zero-copy numpy views of the per-sample columns, plus total = prompt + completion."""
@@ -151,7 +158,7 @@ def _check(rec: dict, key: str, measured: int) -> None:
 
 
 def scan_response(line: bytes, tok: bytes | None) -> tuple:
-    """(id, max_new_tokens, prompt, completion, reasoning, status, think) of one B response line."""
+    """(id, max_new_tokens, prompt, completion, reasoning, status) of one B response line."""
     o_span = _array_span(line, b'"output_ids":')
     if o_span is None:
         raise ValueError("no output_ids")
@@ -169,7 +176,7 @@ def scan_response(line: bytes, tok: bytes | None) -> tuple:
     pos = _id_positions(line, o_span, tok, first=True) if tok else []
     limit = (rec.get("sampling") or {}).get("max_new_tokens")
     status = _STATUS.get(rec.get("finish_reason"), 2)
-    return rec.get("id"), limit, n_prompt, n_out, pos[0] + 1 if pos else 0, status, 1 if pos else 0
+    return rec.get("id"), limit, n_prompt, n_out, pos[0] + 1 if pos else 0, status
 
 
 def _mask(line: bytes, span: tuple[int, int]) -> np.ndarray:
@@ -199,7 +206,7 @@ def _turn_reasoning(mask: np.ndarray, think_pos: list[int]) -> int:
 
 
 def scan_record(line: bytes, tok: bytes | None) -> tuple:
-    """(id, None, prompt, completion, reasoning, status, think) of one A record line; completion = trainable."""
+    """(id, None, prompt, completion, reasoning, status) of one A record line; completion = trainable."""
     i_span = _array_span(line, b'"input_ids":')
     m_span = _array_span(line, b'"loss_mask":')
     if i_span is None or m_span is None:
@@ -213,7 +220,7 @@ def scan_record(line: bytes, tok: bytes | None) -> tuple:
     _check(rec, "n_tokens", n)
     _check(rec, "n_trainable", trainable)
     reasoning = _turn_reasoning(mask, _id_positions(line, i_span, tok, first=False) if tok else [])
-    return rec.get("id"), None, n - trainable, trainable, reasoning, int(bool(rec.get("truncated"))), int(reasoning > 0)  # fmt: skip
+    return rec.get("id"), None, n - trainable, trainable, reasoning, int(bool(rec.get("truncated")))
 
 
 def iter_lines(path: Path, block: int) -> Iterator[tuple[int, bytes, bool]]:
@@ -329,10 +336,10 @@ def _limit(ls: Lengths, p: Params) -> int:
     return p.max_new_tokens if ls.kind == "B" else 0
 
 
-def _reasoning(a: dict[str, np.ndarray], min_share: float) -> bool:
-    """A reasoning dataset: at least `min_share` of the samples that were not cut close their thinking."""
-    closed = a["think"][a["status"] != 1]
-    return bool(closed.size and closed.mean() >= min_share)
+def _reasoning(a: dict[str, np.ndarray], p: Params) -> bool:
+    """A reasoning dataset: at least `reasoning_min_share` of its uncut samples think (not just `<think></think>`)."""
+    uncut = a["reasoning"][a["status"] != 1]
+    return bool(uncut.size and (uncut >= p.min_reasoning_tokens).mean() >= p.reasoning_min_share)
 
 
 def dataset_row(ls: Lengths, p: Params) -> dict:
@@ -346,10 +353,11 @@ def dataset_row(ls: Lengths, p: Params) -> dict:
         "share_stop": share(a["status"] == 0),
         "share_other": share(a["status"] == 2),
         "n_at_limit": int((a["status"] == 1).sum()),
-        "n_at_limit_in_thinking": int(((a["status"] == 1) & (a["think"] == 0)).sum()),
+        "n_at_limit_unclosed": int(((a["status"] == 1) & (r == 0)).sum()),
         "n_empty": int((c == 0).sum()),
-        "share_think_closed": share(a["think"] == 1),
-        "reasoning_dataset": _reasoning(a, p.reasoning_min_share),
+        "share_think_closed": share(r > 0),
+        "share_reasoning": share(r >= p.min_reasoning_tokens),
+        "reasoning_dataset": _reasoning(a, p),
         "reasoning_tokens": int(r.sum()),
         "answer_tokens": int(c.sum() - r.sum()),
         "reasoning_median": float(np.median(r)) if n else np.nan,

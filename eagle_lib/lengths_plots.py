@@ -37,11 +37,11 @@ def _dataset_checks(row, peers: float, p: Params) -> list[tuple[str, float, floa
     return [
         ("truncation", at, p.max_limit_share, at > p.max_limit_share,
          f"{row['n_at_limit']} of {n} samples ({at:.1%}) ended at the limit{f' {lim}' if lim else ''}, "
-         f"{row['n_at_limit_in_thinking']} of them before closing their thinking (threshold "
+         f"{row['n_at_limit_unclosed']} of them with no end-of-thinking token (threshold "
          f"{p.max_limit_share:.0%}): {fix}"),
         ("reasoning_p99_at_limit", p99, p99_at,
          bool(row["kind"] == "B" and lim and row["reasoning_dataset"] and p99 >= p99_at),
-         f"reasoning dataset ({row['share_think_closed']:.0%} close their thinking): p99 completion {p99:.0f} "
+         f"reasoning dataset ({row['share_reasoning']:.0%} of samples think): p99 completion {p99:.0f} "
          f"reaches {p.p99_limit_fraction:.0%} of max_new_tokens {lim}: long reasoning is cut, raise max_new_tokens"),
         ("median_far_below_peers", med, low_median, bool(np.isfinite(peers) and med < low_median),
          f"median completion {med:.0f} tokens is below {p.min_median_ratio:.0%} of the median of the other "

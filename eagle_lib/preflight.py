@@ -73,21 +73,24 @@ def target_text_config(target: str, trust_remote_code: bool = False) -> dict:
 
     path = Path(resolve(target))
     if path.is_file():  # a config.json given directly
-        return _text_part(json.loads(path.read_text()))
-    cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return cfg.to_dict()
+        cfg = json.loads(path.read_text())
+        return {"architectures": cfg.get("architectures"), **(cfg.get("text_config") or cfg)}
+    return text_config_dict(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
 
 
-def _text_part(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
+def text_config_dict(cfg) -> dict:
+    """An HF config's text-model part as a dict, keeping the top-level architectures (multimodal wrappers)."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    out = text.to_dict()
+    out["architectures"] = out.get("architectures") or getattr(cfg, "architectures", None)
+    return out
 
 
 def _check(checks: list[Check], name: str, ok: bool, good: str, bad: str, severity: str = "error") -> None:
     checks.append(Check(name, bool(ok), good if ok else bad, severity))
 
 
-def check_config(fmt: str, cfg: dict, target: dict) -> list[Check]:
+def check_config(fmt: str, cfg: dict, target: dict, trained_aux: list[int] | None = None) -> list[Check]:
     """Architecture name, shapes and aux layer ids of an export config against the target config."""
     out: list[Check] = []
     if fmt == "sglang":
@@ -104,13 +107,10 @@ def check_config(fmt: str, cfg: dict, target: dict) -> list[Check]:
         kind = cfg.get("speculators_model_type")
         _check(out, "speculators_model_type", kind == "eagle3", "eagle3", f"{kind!r}: must be 'eagle3'")
         missing = [k for k in ("norm_before_residual", "norm_before_fc") if k not in cfg]
-        _check(
-            out,
-            "norm flags",
-            not missing,
-            "norm_before_residual / norm_before_fc written out",
-            f"{missing} missing: vLLM then assumes norm_before_residual=True, not how this drafter was trained",
-        )
+        on = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)]
+        bad = f"{missing} missing: vLLM then assumes norm_before_residual=True" if missing else ""
+        bad += f"{'; ' if bad else ''}{on} set: this drafter has none of those norms" if on else ""
+        _check(out, "norm flags", not missing and not on, "all false and written out", bad)
         layer = cfg.get("transformer_layer_config") or {}
     _check(
         out,
@@ -138,14 +138,24 @@ def check_config(fmt: str, cfg: dict, target: dict) -> list[Check]:
         f"{head_dim}: vLLM's CPU backend supports {VLLM_CPU_HEAD_SIZES}",
         severity="warning",
     )
-    out += check_aux_layers(fmt, cfg, tl)
+    out += check_aux_layers(fmt, cfg, tl, trained_aux)
     return out
 
 
-def check_aux_layers(fmt: str, cfg: dict, n_layers: int) -> list[Check]:
-    """Aux layer ids: three, inside the target, and each engine's key in its own convention."""
+def check_aux_layers(fmt: str, cfg: dict, n_layers: int, trained: list[int] | None = None) -> list[Check]:
+    """Aux layer ids: three, inside the target, each engine's key in its own convention, and (when known) the
+    layers the drafter was trained on."""
     out: list[Check] = []
     ours = export.aux_layers_of(fmt, cfg) or default_aux_layers(n_layers)
+    if trained is not None:
+        _check(
+            out,
+            "aux layers = trained",
+            list(trained) == ours,
+            f"{ours}",
+            f"the config makes the engine read layers {ours}, the drafter was trained on {list(trained)} "
+            "(vLLM's top-level ids are HF hidden_states indices: decoder-layer output + 1)",
+        )
     _check(
         out,
         "aux layers",
@@ -404,9 +414,13 @@ def preflight(
     vllm_spec: dict | None = None,
     trust_remote_code: bool = False,
     target_config: dict | None = None,
+    trained_aux: list[int] | None = None,
     **launch,
 ) -> Preflight:
-    """Run every check on an export directory (either format); commands default to the generated ones."""
+    """Run every check on an export directory (either format); commands default to the generated ones.
+
+    trained_aux: the aux layers the drafter was trained on (decoder-layer outputs, 0-based), when known.
+    """
     d = str(drafter_dir)
     try:
         fmt, cfg = export.read_config(d)
@@ -414,7 +428,7 @@ def preflight(
         return Preflight(d, "unknown", [Check("config.json", False, str(e))])
     rep = Preflight(d, fmt)
     tcfg = target_config or target_text_config(target, trust_remote_code)
-    rep.checks += check_config(fmt, cfg, tcfg)
+    rep.checks += check_config(fmt, cfg, tcfg, trained_aux)
     try:
         dcfg = export.drafter_config(fmt, cfg, default_aux_layers(tcfg["num_hidden_layers"]))
         rep.checks += check_weights(export.read_tensors(d, fmt), dcfg, tcfg)
@@ -423,6 +437,15 @@ def preflight(
     rep.commands = launch_commands(target, d, fmt, trust_remote_code=trust_remote_code, **launch)
     if fmt == "sglang":
         rep.checks += check_sglang_cmd(sglang_cmd or rep.commands["sglang"], d, target)
+    elif sglang_cmd:
+        rep.checks.append(
+            Check(
+                "sglang format",
+                False,
+                "SGLang cannot load a speculators-format drafter: point "
+                "--speculative-draft-model-path at the sglang export (LlamaForCausalLMEagle3)",
+            )
+        )
     gen_spec = json.loads(shlex.split(rep.commands["vllm"])[-1])
     rep.checks += check_vllm_spec(vllm_spec or gen_spec, d)
     return rep
@@ -482,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-spec", default="", help="the intended vLLM --speculative-config JSON")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the printed commands")
+    p.add_argument("--aux-layers", default="", help="aux layers the drafter was trained on, e.g. 1,29,57")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     rep = preflight(
@@ -490,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         a.sglang_cmd,
         json.loads(a.vllm_spec) if a.vllm_spec else None,
         a.trust_remote_code,
+        trained_aux=[int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None,
         tp=a.tp,
     )
     print(json.dumps(rep.to_dict(), indent=2) if a.json else rep.text())

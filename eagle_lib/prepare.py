@@ -44,11 +44,11 @@ def unique_names(datasets: list) -> list:
 class Params(params.Strict):
     """01_prepare_A parameters."""
 
-    datasets: list[formats.Source] = _TOY_A  # A sources: {name, path, adapter, config, split, streaming, max_read, ...}
+    datasets: list[formats.Source] = _TOY_A  # A sources: {name, path, adapter, config, split, max_read, ...}
     max_seq_len: int = 2048  # longer records are truncated to this many tokens (counted in meta.json)
     turns: Literal["all", "last"] = "all"  # assistant turns trained: all of them, or the last one only
     max_reject_fraction: float = 0.1  # a dataset rejecting more than this share of its rows fails the stage
-    chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (e.g. {"thinking": true})
+    chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
     batch_size: int = 64  # rows per worker task
 
     _unique = field_validator("datasets")(unique_names)
@@ -63,7 +63,9 @@ class StageFailed(RuntimeError):
 _WORKER: dict[str, Any] = {}
 
 
-def init_worker(tokenizer_path: str, trust_remote_code: bool, template_kwargs: dict, stage_params: Any) -> None:
+def init_worker(
+    tokenizer_path: str, trust_remote_code: bool, template_kwargs: dict, stage_params: Any
+) -> None:
     """Load the tokenizer once per worker process (and in-process when running single-worker)."""
     from transformers import AutoTokenizer
 
@@ -99,12 +101,14 @@ def _prepare_one(conv: dict) -> tuple:
     state = worker_state()
     p: Params = state["params"]
     if "input_ids" in conv:
-        ids, mask = conv["input_ids"], conv["loss_mask"]
+        ids, mask, method = conv["input_ids"], conv["loss_mask"], "pretokenized"
         if ids and max(ids) >= state["vocab_size"]:
-            raise formats.Malformed(f"token id {max(ids)} >= the tokenizer's vocab size {state['vocab_size']}")
+            raise formats.Malformed(
+                f"token id {max(ids)} >= the tokenizer's vocab size {state['vocab_size']}"
+            )
     else:
         enc = state["encoder"].encode(conv["messages"], conv["tools"], p.turns)
-        ids, mask = enc.input_ids, enc.loss_mask
+        ids, mask, method = enc.input_ids, enc.loss_mask, enc.method
     if not any(mask):
         return "dropped", "no_assistant_turn"
     truncated = len(ids) > p.max_seq_len
@@ -112,8 +116,9 @@ def _prepare_one(conv: dict) -> tuple:
     n_trainable = sum(mask)
     if n_trainable == 0:
         return "dropped", "truncated_away"
-    rec = {"id": conv["id"], "source": conv["source"], "input_ids": ids, "loss_mask": mask, "n_tokens": len(ids)}
-    return "kept", rec | {"n_trainable": n_trainable, "truncated": truncated}
+    rec = {"id": conv["id"], "source": conv["source"], "input_ids": ids, "loss_mask": mask}
+    rec |= {"n_tokens": len(ids), "n_trainable": n_trainable, "truncated": truncated}
+    return "kept", rec | {"_method": method}  # _method is counted in meta.json, not written
 
 
 def _prepare_batch(task: tuple[formats.Source, list]) -> list[tuple]:
@@ -158,15 +163,20 @@ def fingerprint(src: formats.Source, stage_params: dict, tokenizer: Any) -> str:
     path = formats.resolve_path(src.path)
     p = Path(path)
     stat = [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else [path]
-    tok = hashlib.sha256(f"{len(tokenizer)}|{tokenizer.chat_template}|{tokenizer.name_or_path}".encode()).hexdigest()
-    return store.stable_hash({"source": src.model_dump(), "stat": stat, "params": stage_params, "tokenizer": tok})
+    tok = hashlib.sha256(
+        f"{len(tokenizer)}|{tokenizer.chat_template}|{tokenizer.name_or_path}".encode()
+    ).hexdigest()
+    return store.stable_hash(
+        {"source": src.model_dump(), "stat": stat, "params": stage_params, "tokenizer": tok}
+    )
 
 
 class DatasetOutput:
     """Writes one dataset's records + rejects into a partial directory; publishes it with meta.json at the end."""
 
     def __init__(self, root: Path, name: str, records_file: str, key: str):
-        self.final, self.tmp = root / name, root / f"{name}.partial"
+        # staged outside root, so that readers globbing root/*/records.jsonl never see a half-written dataset
+        self.final, self.tmp = root / name, root.parent / f".{root.name}.partial" / name
         self.records_file, self.key = records_file, key
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
@@ -216,6 +226,10 @@ class DatasetOutput:
         store.write_json(self.tmp / "meta.json", meta)
         shutil.rmtree(self.final, ignore_errors=True)
         os.replace(self.tmp, self.final)
+        try:
+            self.tmp.parent.rmdir()
+        except OSError:  # another dataset is still staged there
+            pass
         return meta
 
 
@@ -292,14 +306,17 @@ def run_dataset(cfg: params.StageConfig, src: formats.Source, root: Path, tok: A
         return meta | {"reused": True}
     out = DatasetOutput(root, src.name, "records.jsonl", key)
     tokens = trainable = truncated = 0
+    located: Counter = Counter()  # how turns were found: scan (one pass), prefix (fallback), pretokenized
     n_workers = models.num_workers(cfg.shared.num_workers)
     for results in parallel_map(_prepare_batch, batches(src, p.batch_size), n_workers, initargs):
         for kind, payload in results:
             if kind == "kept":
                 tokens, trainable = tokens + payload["n_tokens"], trainable + payload["n_trainable"]
                 truncated += payload["truncated"]
+                located[payload.pop("_method")] += 1
             out.add(kind, payload)
     extra = {"dataset": src.name, "source": src.model_dump(), "tokens": tokens, "trainable_tokens": trainable}
+    extra["turns_located_by"] = dict(located)
     extra |= {"truncated": truncated, "params": p.model_dump(mode="json", exclude={"datasets"})}
     return finish_dataset(out, extra, p.max_reject_fraction)
 
@@ -317,13 +334,58 @@ def run(cfg: params.StageConfig) -> dict:
     return finish_stage(cfg, root, metas, started)
 
 
-def preview(run_dir: str | Path, dataset: str, tokenizer: Any, n_chars: int = 1500) -> str:
-    """The first record of a dataset decoded with trained tokens in [[...]]: what the drafter learns, visibly."""
-    rec = next(store.iter_jsonl(Path(run_dir) / "data" / "A" / dataset / "records.jsonl"), None)
+def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 1500) -> str:
+    """The first record of a dataset decoded, trained tokens in [[...]]: what the drafter learns, visibly."""
+    rec = next(store.iter_jsonl(cfg.out("data", "A", dataset, "records.jsonl")), None)
     if rec is None:
         return f"{dataset}: no records"
+    tok = models.load_tokenizer(cfg.shared)
     out, prev = [], 0
-    for t, m in zip(rec["input_ids"], rec["loss_mask"]):
-        out.append(("[[" if m and not prev else "]]" if prev and not m else "") + tokenizer.decode([t]))
+    for t, m in zip(rec["input_ids"], rec["loss_mask"], strict=True):
+        out.append(("[[" if m and not prev else "]]" if prev and not m else "") + tok.decode([t]))
         prev = m
-    return f"{rec['id']}:\n" + "".join(out)[:n_chars] + ("]]" if prev else "")
+    text = "".join(out) + ("]]" if prev else "")
+    return f"{rec['id']} ({rec['n_tokens']} tokens, {rec['n_trainable']} trained):\n" + text[:n_chars]
+
+
+def reasons_table(meta: dict):
+    """Every dropped and rejected row counted by dataset and reason."""
+    import pandas as pd
+
+    rows = [
+        {"dataset": name, "outcome": outcome, "reason": reason, "rows": n}
+        for name, m in meta["datasets"].items()
+        for outcome, reasons in (("dropped", m["dropped"]), ("rejected", m["reject_reasons"]))
+        for reason, n in reasons.items()
+    ]
+    return pd.DataFrame(rows, columns=["dataset", "outcome", "reason", "rows"])
+
+
+def rejects_sample(cfg: params.StageConfig, kind: str, per_dataset: int = 3):
+    """The first rejected rows of each dataset of data/<kind>/: file, line or row, reason."""
+    import pandas as pd
+
+    rows = []
+    for path in sorted(cfg.out("data", kind).glob("*/rejects.jsonl")):
+        for k, rec in enumerate(store.iter_jsonl(path)):
+            if k >= per_dataset:
+                break
+            at = f"line {rec['line']}" if "line" in rec else f"row {rec.get('row')}"
+            rows.append(
+                {"dataset": path.parent.name, "file": rec.get("file"), "at": at, "reason": rec.get("reason")}
+            )
+    return pd.DataFrame(rows)
+
+
+def headline(meta: dict) -> dict:
+    """The stage's headline numbers for report.record."""
+    sets = meta["datasets"].values()
+    out = {k: meta[k] for k in ("read", "kept", "rejected")} | {"dropped": sum(meta["dropped"].values())}
+    out["tokens"] = sum(m.get("tokens", 0) for m in sets)
+    if any("trainable_tokens" in m for m in sets):
+        out["trainable_tokens"] = sum(m.get("trainable_tokens", 0) for m in sets)
+    out["seconds"] = meta["seconds"]
+    out["datasets"] = {
+        n: {k: m[k] for k in ("read", "kept", "rejected")} for n, m in meta["datasets"].items()
+    }
+    return out

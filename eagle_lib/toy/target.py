@@ -1,15 +1,20 @@
 """Toy target: a small LlamaForCausalLM trained on native-style conversations rendered with the chat template.
 
-Training decision: loss on ALL tokens of packed blocks (prompts are also learnable in this grammar and the
-extra signal helps a 2-minute model); conversations are concatenated and cut into fixed blocks, so a block may
-start mid-conversation. The model only has to behave like a chat model: answer in its own style, in the right
-structure, and stop with <|im_end|>. ``evaluate`` measures exactly that on held-out prompts from the native
-A files (greedy generation) and the teacher-forced next-token accuracy on assistant tokens.
+Training decisions:
+- each conversation is cut after a random thinking assistant turn (``cut_at_random_turn``), so tool calls and
+  middle turns also appear as the final turn, the one that keeps its reasoning;
+- loss on ALL tokens of packed blocks (prompts are learnable in this grammar and the extra signal helps a
+  few-minute model), except the ``</think>`` of history turns' empty ``<think></think>`` (see ``pack``);
+  conversations are concatenated and cut into fixed blocks, so a block may start mid-conversation.
+The model only has to behave like a chat model: answer in its own style, in the right structure, and stop with
+<|im_end|>. ``evaluate`` measures that on held-out prompts from the native A files (greedy generation) and the
+teacher-forced next-token accuracy on assistant tokens.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import re
 import statistics
 import time
@@ -17,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from eagle_lib.toy.tokenizer import save_tokenizer
 
 ASSISTANT_OPEN = "<|im_assistant|>assistant<|im_middle|>"
 ASSISTANT_SPAN = re.compile(re.escape(ASSISTANT_OPEN) + r".*?<\|im_end\|>", re.S)
@@ -45,13 +52,39 @@ def make_model(shape: dict, tok: PreTrainedTokenizerFast, seed: int) -> LlamaFor
     return LlamaForCausalLM(cfg)
 
 
-def pack(tok: PreTrainedTokenizerFast, convs: list[dict], block: int) -> torch.Tensor:
-    """Render, tokenize and concatenate ``convs``, cut into blocks: LongTensor (n_blocks, block)."""
+def cut_at_random_turn(convs: list[dict], seed: int) -> list[dict]:
+    """Cut each conversation after a random assistant turn that carries reasoning (its last one, if none do).
+
+    The template keeps reasoning only on the LAST assistant turn, so a tool call, say, would otherwise only
+    ever be seen as history (``<think></think>`` + call); cutting makes every kind of turn appear as the final,
+    thinking turn, which is the turn the model writes at generation time.
+    """
+    rng = random.Random(f"{seed}:cut")
+    out = []
+    for c in convs:
+        asst = [i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
+        thinking = [i for i in asst if c["messages"][i].get("reasoning_content")] or asst[-1:]
+        end = thinking[rng.randrange(len(thinking))] + 1
+        out.append(c | {"messages": c["messages"][:end]})
+    return out
+
+
+def pack(tok: PreTrainedTokenizerFast, convs: list[dict], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Render, tokenize and concatenate ``convs``, cut into blocks: (input_ids, labels), each (n_blocks, block).
+
+    Labels equal the ids except at the ``</think>`` of an empty ``<think></think>`` (-100): history turns
+    render without reasoning, and learning "close the think at once" there would teach the model never to
+    think in the turn it is asked to write.
+    """
+    think, end_think = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
     ids: list[int] = []
     for c in convs:
         ids += tok(render(tok, c["messages"], c["tools"]), add_special_tokens=False)["input_ids"]
     n = len(ids) // block
-    return torch.tensor(ids[: n * block], dtype=torch.long).view(n, block)
+    x = torch.tensor(ids[: n * block], dtype=torch.long)  # (n * block,)
+    labels = x.clone()
+    labels[1:][(x[:-1] == think) & (x[1:] == end_think)] = -100
+    return x.view(n, block), labels.view(n, block)
 
 
 def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -62,8 +95,14 @@ def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(model: LlamaForCausalLM, blocks: torch.Tensor, cfg: dict, seed: int, log: Callable = print) -> dict:
-    """Train ``cfg['steps']`` AdamW steps on random batches of ``blocks`` (n, T); returns loss stats and time."""
+def train(
+    model, blocks: tuple[torch.Tensor, torch.Tensor], cfg: dict, seed: int, log: Callable = print
+) -> dict:
+    """Train ``cfg['steps']`` AdamW steps on random batches of ``blocks`` = (ids, labels), each (n, T).
+
+    Returns the training time and loss statistics.
+    """
+    ids, labels = blocks
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.95)
@@ -73,8 +112,8 @@ def train(model: LlamaForCausalLM, blocks: torch.Tensor, cfg: dict, seed: int, l
     for step in range(cfg["steps"]):
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg["steps"], cfg["lr"], cfg["warmup_steps"])
-        batch = blocks[torch.randint(len(blocks), (cfg["batch_size"],), generator=gen)]  # (B, T)
-        loss = model(input_ids=batch, labels=batch).loss
+        pick = torch.randint(len(ids), (cfg["batch_size"],), generator=gen)
+        loss = model(input_ids=ids[pick], labels=labels[pick]).loss  # ids[pick]: (B, T)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -109,7 +148,7 @@ def eval_prompt(conv: dict) -> tuple[list[dict], dict]:
 @torch.no_grad()
 def _generate(model, tok, prompts: list[str], max_new: int, batch_size: int) -> list[list[int]]:
     """Greedy continuations (token ids, stopped after <|im_end|> or at ``max_new``) of each prompt."""
-    tok.padding_side = "left"
+    side, tok.padding_side = tok.padding_side, "left"  # left padding: every row continues at the end
     outs = []
     for i in range(0, len(prompts), batch_size):
         enc = tok(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -123,6 +162,7 @@ def _generate(model, tok, prompts: list[str], max_new: int, batch_size: int) -> 
         for row in gen[:, enc["input_ids"].shape[1] :].tolist():
             cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
             outs.append(row[:cut])
+    tok.padding_side = side
     return outs
 
 
@@ -206,4 +246,4 @@ def save(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, out_dir, max_new
         do_sample=False,
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    tok.save_pretrained(str(out_dir))
+    save_tokenizer(tok, out_dir)

@@ -146,5 +146,18 @@ def build_tokenizer(
         chat_template=KIMI_LIKE_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
-    hf.save_pretrained(str(out_dir))
+    save_tokenizer(hf, out_dir)
     return hf
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
+    """save_pretrained, then name the class ``PreTrainedTokenizerFast`` in tokenizer_config.json.
+
+    transformers 5 writes its internal ``TokenizersBackend``, which transformers 4.x (still used by some
+    serving stacks) cannot resolve; both versions load ``PreTrainedTokenizerFast`` from tokenizer.json.
+    """
+    tok.save_pretrained(str(out_dir))
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -100,7 +100,7 @@ def test_vllm_tau_agrees_with_offline(world, fmt):
 
     offline = world["offline"]
     accepted = sum(sum(g.accepted) for g in offline)
-    tau_off = acceptance.acceptance_stats([a for g in offline for a in g.accepted], K)["tau"]
+    tau_off = specdec.acceptance_stats([a for g in offline for a in g.accepted], K)["tau"]
     assert all(g.output_ids == world["greedy"][f"p{i}"] for i, g in enumerate(offline))
     assert tau_off > 1.5, f"the distilled drafter should accept drafts offline (tau {tau_off:.2f})"
     spec = {"method": "eagle3", "model": str(world["exports"][fmt]), "num_speculative_tokens": K}
@@ -113,6 +113,9 @@ def test_vllm_tau_agrees_with_offline(world, fmt):
         res = specdec.online_vllm(srv.base_url, srv.model, {"tiny": world["prompts"]}, NEW, K, concurrency=1)[
             "tiny"
         ]
+    print(
+        f"{fmt}: vLLM tau {res['tau']:.4f} ({res['accepted']:.0f}/{res['drafts']:.0f}), offline {tau_off:.4f}"
+    )
     for pid, ids in res["outputs"].items():
         assert ids == world["greedy"][pid], f"vLLM's greedy output differs from the target's for {pid}"
     assert abs(res["tau"] - tau_off) <= TOLERANCE, (

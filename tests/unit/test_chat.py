@@ -239,8 +239,8 @@ def test_kimi_mask_covers_assistant_parts_only(kimi):
         {"role": "assistant", "content": "It is 3 degrees.", "reasoning_content": "Report it."},
     ]  # fmt: skip
     got = chat.ChatEncoder(kimi).encode(messages, TOOLS)
-    trained = kimi.decode([t for t, m in zip(got.input_ids, got.loss_mask) if m])
-    untrained = kimi.decode([t for t, m in zip(got.input_ids, got.loss_mask) if not m])
+    trained = kimi.decode([t for t, m in zip(got.input_ids, got.loss_mask, strict=True) if m])
+    untrained = kimi.decode([t for t, m in zip(got.input_ids, got.loss_mask, strict=True) if not m])
     assert trained == (
         "<think></think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'

@@ -33,11 +33,11 @@ def a_record(i, ids, mask, truncated=False):
 
 
 def ref_response(rec):
-    """Plain-Python reference for one B record: (prompt, completion, reasoning, status, think)."""
+    """Plain-Python reference for one B record: (prompt, completion, reasoning, status)."""
     out = rec["output_ids"]
     r = out.index(THINK) + 1 if THINK in out else 0
     status = {"stop": 0, "length": 1}.get(rec["finish_reason"], 2)
-    return len(rec["prompt_ids"]), len(out), r, status, int(r > 0)
+    return len(rec["prompt_ids"]), len(out), r, status
 
 
 def ref_record(rec):
@@ -54,7 +54,7 @@ def ref_record(rec):
         thinks = [k for k in range(i, j) if ids[k] == THINK]
         reasoning += thinks[-1] - i + 1 if thinks else 0
         i = j
-    return len(ids) - sum(mask), sum(mask), reasoning, int(rec["truncated"]), int(reasoning > 0)
+    return len(ids) - sum(mask), sum(mask), reasoning, int(rec["truncated"])
 
 
 def dumps(rec, style):
@@ -167,15 +167,16 @@ def test_repeated_ids_count_once_across_shard_files(tmp_path):
 
 def _numpy_row(recs, ref, short):
     """Independent expectations for one dataset, from the generated records and numpy."""
-    p, c, r, s, t = (np.array(v) for v in zip(*(ref(x) for x in recs), strict=True))
+    p, c, r, s = (np.array(v) for v in zip(*(ref(x) for x in recs), strict=True))
     k = -(-len(c) // 10)
     return {
         "n": len(c), "min": c.min(), "p10": np.percentile(c, 10), "median": np.median(c), "mean": c.mean(),
         "p90": np.percentile(c, 90), "p99": np.percentile(c, 99), "max": c.max(), "share_at_limit": (s == 1).mean(),
         "share_stop": (s == 0).mean(), "reasoning_tokens": r.sum(), "answer_tokens": c.sum() - r.sum(),
         "share_short": (c < short).mean(), "top_decile_token_share": np.sort(c)[::-1][:k].sum() / c.sum(),
-        "share_think_closed": t.mean(), "prompt_median": np.median(p), "prompt_p99": np.percentile(p, 99),
-        "prompt_tokens": p.sum(), "completion_tokens": c.sum(),
+        "share_think_closed": (r > 0).mean(), "share_reasoning": (r >= 3).mean(),
+        "reasoning_dataset": (r[s != 1] >= 3).mean() >= 0.5, "prompt_median": np.median(p),
+        "prompt_p99": np.percentile(p, 99), "prompt_tokens": p.sum(), "completion_tokens": c.sum(),
     }  # fmt: skip
 
 
@@ -281,7 +282,7 @@ def test_run_writes_tables_verdicts_plots_and_a_tallied_meta(tmp_path):
 
 def _check_row(**over):
     row = {"kind": "B", "dataset": "d", "n": 1000, "limit": 1000, "median": 400.0, "p99": 700.0,
-           "share_at_limit": 0.01, "n_at_limit": 10, "n_at_limit_in_thinking": 3, "share_think_closed": 0.9,
+           "share_at_limit": 0.01, "n_at_limit": 10, "n_at_limit_unclosed": 3, "share_reasoning": 0.9,
            "reasoning_dataset": True, "share_short": 0.0, "top_decile_token_share": 0.2, "n_empty": 0,
            "share_other": 0.0}  # fmt: skip
     return row | over
@@ -313,7 +314,7 @@ def test_limit_mismatch_and_no_think_token_are_reported():
     from eagle_lib.lengths_plots import verdicts
 
     ls = Lengths("B", "d")
-    ls.add(3, 100, 0, 0, 0)
+    ls.add(3, 100, 0, 0)
     ls.limits[512] += 1
     p = Params(max_new_tokens=1024)
     comp, _, _ = lengths.tables([ls], p)

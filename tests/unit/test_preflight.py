@@ -73,6 +73,12 @@ def test_eagle_instead_of_eagle3_fails(exports):
     assert "vllm method" in failed(rep)
 
 
+def test_sglang_pointed_at_speculators_export_fails(exports):
+    d = exports["speculators"]
+    cmd = f"python -m sglang.launch_server --speculative-algorithm EAGLE3 --speculative-draft-model-path {d}"
+    assert "sglang format" in failed(preflight.preflight(d, "t", sglang_cmd=cmd, target_config=TARGET))
+
+
 def test_one_layer_wide_fc_fails(exports):
     d = exports["sglang"]
     edit_tensor(d, "fc.weight", lambda w: w[:, :64].contiguous())
@@ -113,10 +119,25 @@ def test_sglang_ids_without_vllm_ids_warn(exports):
     assert rep.ok and warn and not warn[0].ok and "one layer earlier" in warn[0].message
 
 
-def test_missing_norm_flag_fails(exports):
+def test_aux_ids_not_the_trained_layers_fail(exports):
+    """vLLM ids written without the +1 make vLLM read other layers than the drafter was trained on."""
+    d = exports["speculators"]
+    rep = preflight.preflight(d, "t", target_config=TARGET, trained_aux=[1, 4, 6])
+    assert rep.ok
+    edit_config(d, eagle_aux_hidden_state_layer_ids=[1, 4, 6])
+    rep = preflight.preflight(d, "t", target_config=TARGET, trained_aux=[1, 4, 6])
+    assert "trained on [1, 4, 6]" in failed(rep)["aux layers = trained"]
+
+
+def test_missing_or_set_norm_flag_fails(exports):
     d = exports["speculators"]
     edit_config(d, norm_before_residual=None)
-    assert "norm flags" in failed(preflight.preflight(d, "t", target_config=TARGET))
+    assert (
+        "assumes norm_before_residual=True"
+        in failed(preflight.preflight(d, "t", target_config=TARGET))["norm flags"]
+    )
+    edit_config(d, norm_before_residual=False, norm_output=True)
+    assert "['norm_output'] set" in failed(preflight.preflight(d, "t", target_config=TARGET))["norm flags"]
 
 
 def test_vocab_map_reference():

@@ -1,11 +1,19 @@
-"""Speculative decoding: lossless against HF greedy generate, exact accounting, drafter cache == recompute."""
+"""Speculative decoding: lossless against HF greedy generate, exact accounting, drafter cache == recompute;
+metrics against numpy and the peers' formula; online clients against local HTTP stand-ins."""
 
+import json
 import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle_lib import specdec
 from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.specdec import (
     EagleProposer,
@@ -125,6 +133,47 @@ def test_no_proposer_is_one_token_per_step(target):
     assert gen.accepted == [0] * 9 and gen.drafted == [0] * 9
 
 
+class OracleDrafter(torch.nn.Module):
+    """Quacks like Eagle3Drafter but answers with the target's own greedy token for every row: run through
+    EagleProposer it must be accepted every time, which checks the proposer's token / position / cache
+    bookkeeping (an off-by-one would be rejected). Rows are (token x_{t+1}, position t); x_0 is given."""
+
+    def __init__(self, target, x0):
+        super().__init__()
+        self.target, self.x0 = target, x0
+        self.fc = torch.nn.Linear(1, 1, dtype=torch.float64)
+        self.config = type("C", (), {"aux_layers": [1, 2, 3]})()
+
+    def project(self, feats):
+        return torch.zeros(*feats.shape[:-1], 1, dtype=feats.dtype)
+
+    def new_cache(self):
+        class Rows(list):
+            def crop(self, n):
+                del self[n:]
+
+        return Rows()
+
+    def draft_to_target(self, ids):
+        return ids
+
+    def forward(self, input_ids, hidden, position_ids, cache):
+        logits = []
+        for tok, pos in zip(input_ids[0].tolist(), position_ids[0].tolist(), strict=True):
+            assert pos == len(cache), "row position must equal the number of rows before it"
+            cache.append(tok)
+            seq = torch.tensor([[self.x0, *cache]])
+            logits.append(torch.nn.functional.one_hot(self.target(seq).logits[0, -1].argmax(), V).double())
+        return torch.zeros_like(hidden), torch.stack(logits)[None]
+
+
+def test_eagle_proposer_with_oracle_drafter_accepts_everything(target):
+    for prompt in PROMPTS:
+        runner = TargetRunner(target, [1, 2, 3])
+        gen = speculative_generate(runner, EagleProposer(OracleDrafter(target, prompt[0])), prompt, 17, k=3)
+        assert gen.accepted == [3] * 4 and gen.output_ids == hf_greedy(target, prompt, 17)
+
+
 def ngram_reference(seq, k, n_max, n_min):
     """Obviously-correct prompt lookup: all matches of the longest matching suffix, take the latest."""
     for n in range(n_max, n_min - 1, -1):
@@ -177,3 +226,140 @@ def test_eagle_proposer_cache_equals_recompute(drafter):
         new_feats = torch.randn(len(new), width, dtype=torch.float64)
         p.advance(new, new_feats)
         seq, feats = seq + new, torch.cat([feats, new_feats])
+
+
+# --- metrics --------------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60))
+def test_stats_against_numpy_and_peer_formula(accepted):
+    k = 4
+    s = specdec.acceptance_stats(accepted, k)
+    a = np.array(accepted)
+    assert s["tau"] == pytest.approx(np.mean(a + 1))
+    for i in range(1, k + 1):
+        assert s[f"acc_{i}"] == pytest.approx(np.mean(a >= i))
+        if (a >= i - 1).any():
+            assert s[f"cond_acc_{i}"] == pytest.approx((a >= i).sum() / (a >= i - 1).sum())
+    # the peers' simulated acceptance: 1 + sum_k prod_{j<=k} cond_acc_j
+    prod, sim = 1.0, 1.0
+    for i in range(1, k + 1):
+        c = s[f"cond_acc_{i}"]
+        prod *= 0.0 if c != c else c
+        sim += prod
+    assert sim == pytest.approx(s["tau"])
+    assert [s[f"a={j}"] for j in range(k + 1)] == np.bincount(a, minlength=k + 1).tolist()
+
+
+def test_tables_pool_steps_and_speedups():
+    gens = []
+    for m, acc, secs in [("none", [0, 0, 0, 0], 4.0), ("eagle3", [3, 1], 2.0)]:
+        for ds in ["x", "y"]:
+            gens.append(
+                {
+                    "method": m,
+                    "dataset": ds,
+                    "id": ds,
+                    "accepted": acc,
+                    "output_ids": [1] * 5,
+                    "total_s": secs,
+                    "lossless": True,
+                }
+            )
+    tau, pos, hist = specdec.tables(gens, 3, cost_ratio=0.1)
+    e = tau[(tau.method == "eagle3") & (tau.dataset == "all")].iloc[0]
+    assert e.tau == pytest.approx(3.0) and e.steps == 4 and e.prompts == 2
+    assert e.measured_speedup == pytest.approx(2.0)  # 4 s vs 2 s for the same 5 tokens
+    assert e.est_speedup == pytest.approx(3.0 / 1.3)  # tau / (1 + ratio * k)
+    assert tau[tau.method == "none"].tau.eq(1.0).all()
+    assert len(pos) == 3 * len(tau) and list(hist.columns[-4:]) == ["a=0", "a=1", "a=2", "a=3"]
+
+
+# --- online clients ---------------------------------------------------------------------------------------
+class StandIn(BaseHTTPRequestHandler):
+    """SGLang /generate (meta_info with completion_tokens, spec_verify_ct) and vLLM /v1/completions + /metrics."""
+
+    counters = {"drafts": 0, "accepted": 0}
+    sglang_meta = True
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body, ctype="application/json"):
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        c = self.counters
+        if self.path == "/metrics":
+            self._send(
+                "# HELP x\n"
+                f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {c["drafts"]}.0\n'
+                f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {3 * c["drafts"]}.0\n'
+                f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {c["accepted"]}.0\n'
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="0"}} {c["accepted"]}.0\n',
+                "text/plain",
+            )
+        else:
+            self._send({"data": [{"id": "served"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids = body.get("prompt") or body.get("input_ids")
+        out = [(t + 1) % 50 for t in ids[-4:]]  # deterministic "greedy" output
+        if self.path == "/v1/completions":
+            assert body["temperature"] == 0.0 and body["model"] == "served"
+            StandIn.counters["drafts"] += 2
+            StandIn.counters["accepted"] += 3
+            self._send({"choices": [{"token_ids": out, "text": ""}]})
+        else:
+            meta = {"completion_tokens": 8, "prompt_tokens": len(ids)}
+            if self.sglang_meta:
+                meta["spec_verify_ct"] = 3
+            self._send({"text": "", "output_ids": out, "meta_info": meta})
+
+
+@pytest.fixture
+def server():
+    StandIn.counters = {"drafts": 0, "accepted": 0}
+    StandIn.sglang_meta = True
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+ONLINE_PROMPTS = {
+    "x": [specdec.Prompt(f"x{i}", "x", [i, i + 1, i + 2]) for i in range(3)],
+    "y": [specdec.Prompt("y0", "y", [7, 8])],
+}
+
+
+def test_vllm_client_tau_from_counter_deltas(server):
+    StandIn.counters = {"drafts": 100, "accepted": 40}  # earlier traffic must not count
+    res = specdec.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, num_steps=3, concurrency=2)
+    assert res["x"]["drafts"] == 6 and res["x"]["tau"] == pytest.approx(1 + 9 / 6)
+    assert res["y"]["tau"] == pytest.approx(2.5) and res["y"]["acc"][0] == pytest.approx(1.5)
+    assert res["x"]["outputs"]["x1"] == [2, 3, 4]
+
+
+def test_sglang_client_tau_and_missing_meta(server):
+    res = specdec.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8)
+    assert res["x"]["tau"] == pytest.approx(24 / 9) and res["x"]["spec_verify_ct"] == 9
+    StandIn.sglang_meta = False
+    with pytest.raises(ValueError, match="spec_verify_ct"):
+        specdec.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8)
+
+
+def test_parse_real_vllm_metrics_lines():
+    text = (
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="/t"} 15.0\n'
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="/t"} 1.79e+09\n'
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/t"} 7.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/t",position="2"} 1.0\n'
+    )
+    c = specdec.vllm_spec_counters(text)
+    assert c["drafts"] == 15.0 and c["accepted"] == 7.0 and c["pos_2"] == 1.0

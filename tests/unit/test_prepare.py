@@ -1,0 +1,182 @@
+"""Stage 01_prepare_A on small toy files: records, tally, rejects, truncation, threshold, reuse, workers."""
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from eagle_lib import formats, params, prepare, store
+from eagle_lib.toy import datasets as toy_data
+from eagle_lib.toy import tokenizer as toy_tok
+
+N_ROWS, N_BAD = 40, 3
+A_SETS = ["native_chat", "native_tools"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Toy A files (40 rows, 3 malformed each) and a small toy tokenizer: {"data": dir, "tok": dir, "logs": {}}."""
+    root = tmp_path_factory.mktemp("world")
+    logs, valid = {}, {}
+    for name in ("native_chat", "native_tools"):
+        logs[name], valid[name] = toy_data.write_dataset(root, name, 0, N_ROWS, N_BAD)
+    corpus = [s for recs in valid.values() for r in recs for s in toy_data.string_leaves(r)]
+    toy_tok.build_tokenizer(root / "tok", corpus, vocab_size=1024)
+    return {"data": root, "tok": str(root / "tok"), "logs": logs}
+
+
+def make_cfg(world, run_dir: Path, workers: int = 1, **stage) -> params.StageConfig:
+    sources = [
+        formats.Source(name=n, path=str(world["data"] / f"{n}.jsonl"), adapter="openai")
+        for n in ("native_chat", "native_tools")
+    ]
+    p = prepare.Params(**({"datasets": sources, "batch_size": 16} | stage))
+    shared = params.SharedParams(target="unused", tokenizer=world["tok"], num_workers=workers)
+    return params.StageConfig("01_prepare_A", run_dir, shared, p)
+
+
+def test_records_tally_and_rejects(world, tmp_path):
+    meta = prepare.run(make_cfg(world, tmp_path))
+    tok = AutoTokenizer.from_pretrained(world["tok"])
+    store.check_tally(meta)
+    for name in ("native_chat", "native_tools"):
+        d = tmp_path / "data" / "A" / name
+        m = store.read_json(d / "meta.json")
+        store.check_tally(m)
+        assert (m["read"], m["rejected"], m["kept"], m["dropped"]) == (N_ROWS, N_BAD, N_ROWS - N_BAD, {})
+        rejects = store.read_jsonl(d / "rejects.jsonl")
+        assert [r["line"] - 1 for r in rejects] == [b["index"] for b in world["logs"][name]["malformed"]]
+        assert all(r["file"].endswith(f"{name}.jsonl") and r["reason"] for r in rejects)
+        raw = [
+            json.loads(x) for x in (world["data"] / f"{name}.jsonl").read_text().splitlines() if _parses(x)
+        ]
+        by_line = {i + 1: r for i, r in enumerate(_lines(world["data"] / f"{name}.jsonl"))}
+        recs = store.read_jsonl(d / "records.jsonl")
+        assert len(recs) == m["kept"] and len({r["id"] for r in recs}) == len(recs) and raw
+        for rec in recs:
+            assert set(rec) == {
+                "id",
+                "source",
+                "input_ids",
+                "loss_mask",
+                "n_tokens",
+                "n_trainable",
+                "truncated",
+            }
+            assert rec["n_tokens"] == len(rec["input_ids"]) == len(rec["loss_mask"]) and not rec["truncated"]
+            assert rec["n_trainable"] == sum(rec["loss_mask"]) > 0 and rec["source"] == name
+            row = by_line[int(rec["id"].split(":")[1])]
+            msgs = row.get("messages") or row.get("conversations")
+            want = tok.apply_chat_template(msgs, tools=row.get("tools") or None, return_dict=False)
+            assert rec["input_ids"] == want  # the target's own template and tokenizer, nothing else
+            pairs = list(zip(rec["input_ids"], rec["loss_mask"], strict=True))
+            trained = tok.decode([t for t, k in pairs if k])
+            untrained = tok.decode([t for t, k in pairs if not k])
+            for msg in msgs:
+                if msg["role"] == "assistant" and msg.get("content"):
+                    assert msg["content"] in trained
+                elif msg["role"] in ("user", "tool"):
+                    assert msg["content"] in untrained
+    assert (
+        meta["kept"] == 2 * (N_ROWS - N_BAD) and prepare.tally_table(meta).iloc[-1]["records"] == meta["kept"]
+    )
+
+
+def _parses(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _lines(path: Path) -> list:
+    return [json.loads(x) if _parses(x) else None for x in path.read_text().splitlines()]
+
+
+def test_parallel_workers_write_the_same_records(world, tmp_path):
+    prepare.run(make_cfg(world, tmp_path / "one", workers=1))
+    prepare.run(make_cfg(world, tmp_path / "two", workers=2))
+    for name in ("native_chat", "native_tools"):
+        a = (tmp_path / "one" / "data" / "A" / name / "records.jsonl").read_bytes()
+        assert a == (tmp_path / "two" / "data" / "A" / name / "records.jsonl").read_bytes()
+
+
+def test_truncation_is_counted(world, tmp_path):
+    meta = prepare.run(make_cfg(world, tmp_path, max_seq_len=64))
+    for name in ("native_chat", "native_tools"):
+        m = meta["datasets"][name]
+        store.check_tally(m)
+        recs = store.read_jsonl(tmp_path / "data" / "A" / name / "records.jsonl")
+        assert all(r["n_tokens"] <= 64 and r["n_trainable"] == sum(r["loss_mask"]) > 0 for r in recs)
+        assert m["truncated"] == sum(r["truncated"] for r in recs)
+        assert m["kept"] + m["dropped"].get("truncated_away", 0) == N_ROWS - N_BAD
+    assert meta["datasets"]["native_chat"]["truncated"] > 0  # long answers cut, their first 64 tokens kept
+    assert meta["datasets"]["native_tools"]["dropped"]["truncated_away"] > 0  # tool declarations fill them
+
+
+def test_reject_threshold_fails_the_stage_clearly_and_keeps_the_data(world, tmp_path):
+    with pytest.raises(prepare.StageFailed) as err:
+        prepare.run(make_cfg(world, tmp_path, max_reject_fraction=0.01))
+    msg = str(err.value)
+    assert f"dataset native_chat: {N_BAD}/{N_ROWS} rows rejected" in msg and "native_tools" in msg
+    assert "rejects.jsonl" in msg and "max_reject_fraction" in msg
+    d = tmp_path / "data" / "A" / "native_chat"
+    assert store.read_json(d / "meta.json")["status"] == "failed"
+    assert len(store.read_jsonl(d / "records.jsonl")) == N_ROWS - N_BAD  # nothing already made is lost
+    assert store.read_json(tmp_path / "data" / "A" / "meta.json")["status"] == "failed"
+
+
+def test_unchanged_dataset_is_reused_and_a_change_redoes_it(world, tmp_path):
+    first = prepare.run(make_cfg(world, tmp_path))
+    again = prepare.run(make_cfg(world, tmp_path))
+    assert not any(m["reused"] for m in first["datasets"].values())
+    assert all(m["reused"] for m in again["datasets"].values())
+    changed = prepare.run(make_cfg(world, tmp_path, turns="last"))
+    assert not any(m["reused"] for m in changed["datasets"].values())
+    assert (
+        changed["datasets"]["native_chat"]["trainable_tokens"]
+        < first["datasets"]["native_chat"]["trainable_tokens"]
+    )
+
+
+def test_pretokenized_source(world, tmp_path):
+    path = tmp_path / "pre.jsonl"
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5, 99999], "loss_mask": [0, 1]},
+            {"input_ids": [5, 6], "loss_mask": [0, 0]}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg(world, tmp_path)
+    src = formats.Source(name="pre", path=str(path), adapter="pretokenized")
+    cfg = params.StageConfig(
+        cfg.name, tmp_path, cfg.shared, prepare.Params(datasets=[src], max_reject_fraction=0.5)
+    )
+    m = prepare.run(cfg)["datasets"]["pre"]
+    assert (m["kept"], m["rejected"], m["dropped"]) == (1, 1, {"no_assistant_turn": 1})
+    assert "vocab size" in store.read_jsonl(tmp_path / "data" / "A" / "pre" / "rejects.jsonl")[0]["reason"]
+
+
+def test_duplicate_dataset_names_are_a_params_error():
+    src = formats.Source(name="x", path="x.jsonl", adapter="openai")
+    with pytest.raises(ValueError, match="duplicate dataset names"):
+        prepare.Params(datasets=[src, src])
+
+
+def test_a_crash_mid_dataset_keeps_the_previous_output_and_hides_the_partial(world, tmp_path, monkeypatch):
+    prepare.run(make_cfg(world, tmp_path))
+    before = (tmp_path / "data" / "A" / "native_chat" / "records.jsonl").read_bytes()
+    real = formats.iter_rows
+
+    def dying(src):
+        for k, item in enumerate(real(src)):
+            if k == 20:
+                raise OSError("disk gone")
+            yield item
+
+    monkeypatch.setattr(formats, "iter_rows", dying)
+    with pytest.raises(OSError, match="disk gone"):
+        prepare.run(make_cfg(world, tmp_path, max_seq_len=999))
+    assert (tmp_path / "data" / "A" / "native_chat" / "records.jsonl").read_bytes() == before
+    assert sorted(p.parent.name for p in (tmp_path / "data" / "A").glob("*/records.jsonl")) == A_SETS
+    monkeypatch.setattr(formats, "iter_rows", real)
+    meta = prepare.run(make_cfg(world, tmp_path, max_seq_len=999))  # the rerun starts the dataset afresh
+    assert meta["datasets"]["native_chat"]["read"] == N_ROWS and not meta["datasets"]["native_chat"]["reused"]
