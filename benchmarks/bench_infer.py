@@ -51,7 +51,8 @@ def cut(ids: list[int], stop: set[int]) -> list[int]:
 def generate_one(model, reqs, max_new, stop) -> dict[str, list[int]]:
     out = {}
     for r in reqs:
-        g = model.generate(torch.tensor([r.prompt_ids]), do_sample=False, max_new_tokens=max_new,
+        ids = torch.tensor([r.prompt_ids])  # explicit mask: without it generate masks every pad-id token
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                            eos_token_id=list(stop), pad_token_id=0)  # fmt: skip
         out[r.id] = cut(g[0, len(r.prompt_ids) :].tolist(), stop)
     return out

@@ -55,9 +55,7 @@ class Params(Strict):
     short_tokens: int = 32  # completions shorter than this count as short (bimodality summary)
     max_short_share: float = 0.25  # warn when more samples than this are short
     max_limit_share: float = 0.05  # warn when more samples than this ended at the limit (truncated)
-    min_reasoning_tokens: int = (
-        3  # a sample reasons if its thinking spans this many tokens (<think></think>: 2)
-    )
+    min_reasoning_tokens: int = 3  # a sample reasons if a turn thinks this many tokens (<think></think> is 2)
     reasoning_min_share: float = 0.5  # reasoning dataset: this share of its uncut samples reasons
     p99_limit_fraction: float = 0.98  # warn when a reasoning dataset's p99 reaches this fraction of the limit
     min_median_ratio: float = 0.1  # warn when a median is below this fraction of the median of peers' medians
@@ -69,12 +67,7 @@ class Params(Strict):
 
 # ---------------------------------------------------------------- byte-level record scanning
 
-_ARRAYS = {
-    "prompt": "q",
-    "completion": "q",
-    "reasoning": "q",
-    "status": "b",
-}  # reasoning 0: no end-of-thinking
+_ARRAYS = {"prompt": "q", "completion": "q", "reasoning": "q", "think_span": "q", "status": "b"}
 _STATUS = {"stop": 0, "length": 1}  # anything else: 2
 
 
@@ -91,11 +84,12 @@ class Lengths:
     duplicates: int = 0  # lines whose id came earlier
     bytes_read: int = 0
 
-    def add(self, prompt: int, completion: int, reasoning: int, status: int) -> None:
+    def add(self, prompt: int, completion: int, reasoning: int, think_span: int, status: int) -> None:
         c = self.cols
         c["prompt"].append(prompt)
         c["completion"].append(completion)
-        c["reasoning"].append(reasoning)
+        c["reasoning"].append(reasoning)  # 0: no end-of-thinking token
+        c["think_span"].append(think_span)  # the longest turn's reasoning (A: an empty <think></think> is 2)
         c["status"].append(status)  # 0 stop, 1 at the limit, 2 other
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -158,7 +152,7 @@ def _check(rec: dict, key: str, measured: int) -> None:
 
 
 def scan_response(line: bytes, tok: bytes | None) -> tuple:
-    """(id, max_new_tokens, prompt, completion, reasoning, status) of one B response line."""
+    """(id, max_new_tokens, prompt, completion, reasoning, think_span, status) of one B response line."""
     o_span = _array_span(line, b'"output_ids":')
     if o_span is None:
         raise ValueError("no output_ids")
@@ -176,7 +170,8 @@ def scan_response(line: bytes, tok: bytes | None) -> tuple:
     pos = _id_positions(line, o_span, tok, first=True) if tok else []
     limit = (rec.get("sampling") or {}).get("max_new_tokens")
     status = _STATUS.get(rec.get("finish_reason"), 2)
-    return rec.get("id"), limit, n_prompt, n_out, pos[0] + 1 if pos else 0, status
+    reasoning = pos[0] + 1 if pos else 0
+    return rec.get("id"), limit, n_prompt, n_out, reasoning, reasoning, status
 
 
 def _mask(line: bytes, span: tuple[int, int]) -> np.ndarray:
@@ -193,20 +188,21 @@ def _mask(line: bytes, span: tuple[int, int]) -> np.ndarray:
     return v.astype(np.uint8)
 
 
-def _turn_reasoning(mask: np.ndarray, think_pos: list[int]) -> int:
-    """Trainable tokens up to the last end-of-thinking of each assistant turn (a run of mask ones)."""
+def _turn_reasoning(mask: np.ndarray, think_pos: list[int]) -> tuple[int, int]:
+    """(sum, max) over assistant turns (runs of mask ones) of the tokens up to the turn's last end-of-thinking."""
     pos = [p for p in think_pos if mask[p]]
     if not pos:
-        return 0
+        return 0, 0
     starts = np.flatnonzero(np.diff(mask.astype(np.int8), prepend=0) == 1)  # first index of each turn
     last: dict[int, int] = {}
     for turn, p in zip(np.searchsorted(starts, pos, side="right") - 1, pos, strict=True):
         last[int(turn)] = p  # positions ascend: the last one per turn wins
-    return sum(p - int(starts[t]) + 1 for t, p in last.items())
+    spans = [p - int(starts[t]) + 1 for t, p in last.items()]
+    return sum(spans), max(spans)
 
 
 def scan_record(line: bytes, tok: bytes | None) -> tuple:
-    """(id, None, prompt, completion, reasoning, status) of one A record line; completion = trainable."""
+    """(id, None, prompt, completion, reasoning, think_span, status) of one A record; completion = trainable."""
     i_span = _array_span(line, b'"input_ids":')
     m_span = _array_span(line, b'"loss_mask":')
     if i_span is None or m_span is None:
@@ -219,8 +215,8 @@ def scan_record(line: bytes, tok: bytes | None) -> tuple:
     trainable = int(mask.sum(dtype=np.int64))
     _check(rec, "n_tokens", n)
     _check(rec, "n_trainable", trainable)
-    reasoning = _turn_reasoning(mask, _id_positions(line, i_span, tok, first=False) if tok else [])
-    return rec.get("id"), None, n - trainable, trainable, reasoning, int(bool(rec.get("truncated")))
+    reasoning, span = _turn_reasoning(mask, _id_positions(line, i_span, tok, first=False) if tok else [])
+    return rec.get("id"), None, n - trainable, trainable, reasoning, span, int(bool(rec.get("truncated")))
 
 
 def iter_lines(path: Path, block: int) -> Iterator[tuple[int, bytes, bool]]:
@@ -338,7 +334,7 @@ def _limit(ls: Lengths, p: Params) -> int:
 
 def _reasoning(a: dict[str, np.ndarray], p: Params) -> bool:
     """A reasoning dataset: at least `reasoning_min_share` of its uncut samples think (not just `<think></think>`)."""
-    uncut = a["reasoning"][a["status"] != 1]
+    uncut = a["think_span"][a["status"] != 1]
     return bool(uncut.size and (uncut >= p.min_reasoning_tokens).mean() >= p.reasoning_min_share)
 
 
@@ -356,7 +352,7 @@ def dataset_row(ls: Lengths, p: Params) -> dict:
         "n_at_limit_unclosed": int(((a["status"] == 1) & (r == 0)).sum()),
         "n_empty": int((c == 0).sum()),
         "share_think_closed": share(r > 0),
-        "share_reasoning": share(r >= p.min_reasoning_tokens),
+        "share_reasoning": share(a["think_span"] >= p.min_reasoning_tokens),
         "reasoning_dataset": _reasoning(a, p),
         "reasoning_tokens": int(r.sum()),
         "answer_tokens": int(c.sum() - r.sum()),
@@ -409,7 +405,8 @@ def bootstrap_remaining(
         counts = rng.multinomial(n, c / n, size=min(chunk, reps - lo))  # (r, distinct)
         mean = counts @ u / n
         var = np.maximum(counts @ (u * u) / n - mean * mean, 0.0)
-        out.append(remaining * mean + np.sqrt(remaining * var) * rng.standard_normal(mean.size))
+        draws = remaining * mean + np.sqrt(remaining * var) * rng.standard_normal(mean.size)
+        out.append(np.maximum(draws, 0.0))  # the normal tail must not remove tokens already counted
     return np.concatenate(out)
 
 

@@ -38,11 +38,13 @@ class Strict(BaseModel):
 class SharedParams(Strict):
     """Parameters every stage sees."""
 
-    target: str = "toy://target"  # HF model dir or hub id of the target; toy://target = embedded toy model
-    tokenizer: str = ""  # tokenizer dir/hub id; empty = the target's
+    target: str = (
+        "toy://target"  # HF model dir or hub id of the target (toy://target: the embedded toy model)
+    )
+    tokenizer: str = ""  # tokenizer dir or hub id (empty: the target's own)
     trust_remote_code: bool = False  # needed for Kimi-K2.5's tokenizer and model code
     seed: int = 0  # global seed for sampling, splits and training
-    num_workers: int = 0  # worker processes for CPU-bound stages; 0 = all cores
+    num_workers: int = 0  # worker processes for CPU-bound stages (0: all cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     heldout_percent: float = 5.0  # share of sample ids (by hash) held out of training for evaluation
 
@@ -81,7 +83,9 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("03_infer", "infer", ("infer",), ("02_extract_B",)),
         StageSpec("04_length_analysis", "lengths", ("analysis",), ("01_prepare_A", "03_infer")),
         StageSpec("05_train_eagle3", "train", ("drafter",), ("01_prepare_A", "03_infer")),
-        StageSpec("06_eval_acceptance", "acceptance", ("eval",), ("01_prepare_A", "02_extract_B", "05_train_eagle3")),
+        StageSpec(
+            "06_eval_acceptance", "acceptance", ("eval",), ("01_prepare_A", "02_extract_B", "05_train_eagle3")
+        ),
     ]
 }
 
@@ -184,7 +188,11 @@ def validate_namespace(
     """
     spec = (registry or STAGES)[stage]
     names = {
-        k for k in namespace if k not in before and not k.startswith("_") and k not in _IPYTHON_NAMES
+        k
+        for k in namespace
+        if k not in before
+        and not k.startswith("_")
+        and k not in _IPYTHON_NAMES
         and not hasattr(namespace[k], "__file__")  # modules imported after `before`
     }
     shared_keys = set(SharedParams.model_fields)

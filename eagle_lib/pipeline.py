@@ -4,20 +4,22 @@
 
 Per run (outputs/<run>/): reports/NN_*.ipynb + .html (the executed notebooks are the report), manifest.json
 (params, git commit, package versions, start/end/duration of each stage) and .stages/<stage>.json markers.
-A stage is skipped when its marker holds the same fingerprint (its params, the code, its local input files
-and its upstream stages' fingerprints) and every output directory still has its meta.json.
+A stage is skipped when its marker holds the same fingerprint (its params, its notebook and the eagle_lib modules
+it imports, its local input files and its upstream stages' fingerprints) and every output directory still has its meta.json.
 The run stops at the first failing stage, naming the failed cell and the executed notebook to open.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import platform
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,16 @@ from eagle_lib.params import STAGES, ParamsError, RunParams, StageSpec, load_par
 from eagle_lib.store import read_json, stable_hash, write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("torch", "transformers", "tokenizers", "datasets", "papermill", "safetensors", "numpy", "pydantic")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "datasets",
+    "papermill",
+    "safetensors",
+    "numpy",
+    "pydantic",
+)
 
 
 class StageFailed(RuntimeError):
@@ -49,10 +60,56 @@ def select_stages(spec: str | None, registry: dict[str, StageSpec]) -> list[str]
     return sorted(chosen, key=names.index)
 
 
-def code_fingerprint(root: Path = REPO_ROOT) -> str:
-    """Hash of the library source: a code change re-runs the stages (conservative, never stale)."""
-    files = sorted((root / "eagle_lib").rglob("*.py"))
-    return stable_hash([(str(f.relative_to(root)), f.read_bytes().hex()) for f in files])
+def _imported_modules(source: str, package: str = "eagle_lib") -> set[str]:
+    """`package.x` modules a piece of source imports (import a.b / from a import b / from a.b import c)."""
+    found: set[str] = set()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return found
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith(package)}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    base = root.joinpath(*name.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def code_fingerprint(notebook: Path, root: Path = REPO_ROOT) -> str:
+    """Hash of the notebook and of every eagle_lib module it imports, transitively.
+
+    A change in a module a stage uses re-runs that stage; a change elsewhere in the library does not.
+    """
+    nb = json.loads(notebook.read_text())
+    todo = set()
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code":
+            todo |= _imported_modules("".join(cell.get("source", "")))
+    files: dict[str, str] = {}
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name, root)
+        if path is None:
+            continue  # an attribute imported from a module, not a module itself
+        src = path.read_text()
+        files[str(path.relative_to(root))] = src
+        todo |= _imported_modules(src)
+        parts = name.split(".")
+        todo |= {".".join(parts[:i]) for i in range(1, len(parts))}  # parent packages run too
+    return stable_hash([notebook.read_text(), sorted(files.items())])
 
 
 def _local_inputs(obj: Any, found: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -86,7 +143,6 @@ class Runner:
         self.reports = self.run_dir / "reports"
         self.markers = self.run_dir / ".stages"
         self.manifest_path = self.run_dir / "manifest.json"
-        self.code = code_fingerprint(self.root)
 
     def fingerprint(self, name: str, params: dict) -> str:
         spec = self.registry[name]
@@ -94,8 +150,8 @@ class Runner:
         for dep in spec.deps:
             marker = self._marker(dep)
             upstream[dep] = marker.get("fingerprint") if marker else None
-        nb = (self.root / spec.notebook).read_bytes().hex()
-        return stable_hash([params, self.code, nb, _local_inputs(params, {}), upstream])
+        code = code_fingerprint(self.root / spec.notebook, self.root)
+        return stable_hash([params, code, _local_inputs(params, {}), upstream])
 
     def _marker(self, name: str) -> dict | None:
         path = self.markers / f"{name}.json"
@@ -154,8 +210,13 @@ class Runner:
         self.reports.mkdir(parents=True, exist_ok=True)
         try:
             pm.execute_notebook(
-                str(self.root / spec.notebook), str(out_nb), parameters=params, cwd=str(self.root),
-                progress_bar=False, log_output=False, kernel_name="python3",
+                str(self.root / spec.notebook),
+                str(out_nb),
+                parameters=params,
+                cwd=str(self.root),
+                progress_bar=False,
+                log_output=False,
+                kernel_name="python3",
             )
         except pm.PapermillExecutionError as e:
             return f"cell {e.cell_index} (execution count {e.exec_count}) raised {e.ename}: {e.evalue}"
@@ -185,7 +246,7 @@ class Runner:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _versions() -> dict[str, str]:
@@ -203,7 +264,10 @@ def _git_state(root: Path) -> dict:
         r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def run_pipeline(

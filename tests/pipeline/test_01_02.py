@@ -6,6 +6,7 @@ import json
 import pytest
 
 from eagle_lib import models, params, toy
+from eagle_lib.pipeline import REPO_ROOT
 from eagle_lib.report import read_notebook_metrics
 from eagle_lib.store import check_tally, read_json, read_jsonl
 
@@ -81,11 +82,12 @@ def test_records_render_the_target_template_with_assistant_masks(ci_run, tok):
 
 
 def test_prompt_ids_are_the_template_with_generation_prompt(ci_run, tok):
-    run = params.load_params("params/ci.yaml")
+    run = params.load_params(REPO_ROOT / "params" / "ci.yaml")
     p = run.stage("02_extract_B")
+    caps = {d.name: d.max_prompts for d in p.datasets}
     for name in B_SETS:
         prompts = read_jsonl(ci_run / "data" / "B" / name / "prompts.jsonl")
-        assert 0 < len(prompts) <= 24 and len({x["id"] for x in prompts}) == len(prompts)
+        assert 0 < len(prompts) <= caps[name] and len({x["id"] for x in prompts}) == len(prompts)
         for x in prompts:
             want = tok.apply_chat_template(
                 x["messages"], tools=x["tools"] or None, add_generation_prompt=True, return_dict=False

@@ -45,8 +45,9 @@ def test_greedy_ids_equal_model_generate_on_the_toy_target(ci_run):
     stops = next(iter(metas.values()))["stop_token_ids"]  # resolved once per run: the target's eos ids
     assert recs and all(m["stop_token_ids"] == stops for m in metas.values())
     for r in recs[:8]:
-        g = model.generate(torch.tensor([r["prompt_ids"]]), do_sample=False, max_new_tokens=r["sampling"]["max_new_tokens"],
-                           eos_token_id=stops, pad_token_id=0)  # fmt: skip
+        ids = torch.tensor([r["prompt_ids"]])  # explicit mask: generate would treat pad-id tokens as padding
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=stops,
+                           max_new_tokens=r["sampling"]["max_new_tokens"], pad_token_id=0)  # fmt: skip
         assert g[0, len(r["prompt_ids"]) :].tolist() == r["output_ids"], r["id"]
 
 

@@ -309,3 +309,28 @@ def test_template_without_chat_template_is_an_error(chatml):
     tok = PreTrainedTokenizerFast(tokenizer_object=chatml.backend_tokenizer)
     with pytest.raises(chat.ChatError, match="no chat template"):
         chat.ChatEncoder(tok)
+
+
+@pytest.mark.slow
+def test_every_conversation_of_the_built_toy_world_matches_reference():
+    """All rows of every toy dataset file, with the toy world's own tokenizer (skipped until the world is built)."""
+    from eagle_lib import extract, prepare, toy
+
+    if not (toy.world_dir() / "build_log.json").exists():
+        pytest.skip("toy world not built (python -m eagle_lib.toy build)")
+    tok = AutoTokenizer.from_pretrained(toy.resolve("toy://tokenizer"))
+    enc, n = chat.ChatEncoder(tok), 0
+    for src in prepare.Params().datasets + extract.Params().datasets:
+        for where, row, err in formats.iter_rows(src):
+            try:
+                conv = formats.adapt(row, src, where) if err is None else None
+            except (formats.Malformed, formats.Skip):
+                conv = None
+            if conv is None:
+                continue
+            got = enc.encode(conv["messages"], conv["tools"])
+            assert (got.input_ids, got.loss_mask) == reference_mask(tok, conv["messages"], conv["tools"]), (
+                conv["id"]
+            )
+            n += 1
+    assert n > 2000

@@ -37,16 +37,19 @@ def frequent_token(model, prompts) -> int:
     """A token the random model emits early for several prompts: used as a stop id so some rows stop."""
     first = []
     for p in prompts[:6]:
-        g = model.generate(torch.tensor([p["prompt_ids"]]), do_sample=False, max_new_tokens=3, pad_token_id=0)
+        ids = torch.tensor([p["prompt_ids"]])
+        g = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3, pad_token_id=0
+        )
         first += g[0, len(p["prompt_ids"]) :].tolist()
     return max(set(first), key=first.count)
 
 
 def hf_greedy(model, ids: list[int], max_new: int, stop: list[int]) -> list[int]:
     """The reference: transformers' own generate, one unpadded prompt at a time."""
-    g = model.generate(
-        torch.tensor([ids]), do_sample=False, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=0
-    )
+    x = torch.tensor([ids])  # an explicit mask: without one, generate treats every pad-id token as padding
+    g = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                       eos_token_id=stop, pad_token_id=0)  # fmt: skip
     out = g[0, len(ids) :].tolist()
     return out[: out.index(stop[0]) + 1] if stop[0] in out else out  # generate pads finished rows; none here
 

@@ -33,17 +33,17 @@ def a_record(i, ids, mask, truncated=False):
 
 
 def ref_response(rec):
-    """Plain-Python reference for one B record: (prompt, completion, reasoning, status)."""
+    """Plain-Python reference for one B record: (prompt, completion, reasoning, reasoning span, status)."""
     out = rec["output_ids"]
     r = out.index(THINK) + 1 if THINK in out else 0
     status = {"stop": 0, "length": 1}.get(rec["finish_reason"], 2)
-    return len(rec["prompt_ids"]), len(out), r, status
+    return len(rec["prompt_ids"]), len(out), r, r, status
 
 
 def ref_record(rec):
     """Reference for one A record: reasoning = per assistant turn, up to its last masked end-of-thinking."""
     ids, mask = rec["input_ids"], rec["loss_mask"]
-    reasoning, i = 0, 0
+    spans, i = [0], 0
     while i < len(mask):
         if not mask[i]:
             i += 1
@@ -52,9 +52,9 @@ def ref_record(rec):
         while j < len(mask) and mask[j]:
             j += 1
         thinks = [k for k in range(i, j) if ids[k] == THINK]
-        reasoning += thinks[-1] - i + 1 if thinks else 0
+        spans.append(thinks[-1] - i + 1 if thinks else 0)
         i = j
-    return len(ids) - sum(mask), sum(mask), reasoning, int(rec["truncated"])
+    return len(ids) - sum(mask), sum(mask), sum(spans), max(spans), int(rec["truncated"])
 
 
 def dumps(rec, style):
@@ -167,15 +167,15 @@ def test_repeated_ids_count_once_across_shard_files(tmp_path):
 
 def _numpy_row(recs, ref, short):
     """Independent expectations for one dataset, from the generated records and numpy."""
-    p, c, r, s = (np.array(v) for v in zip(*(ref(x) for x in recs), strict=True))
+    p, c, r, span, s = (np.array(v) for v in zip(*(ref(x) for x in recs), strict=True))
     k = -(-len(c) // 10)
     return {
         "n": len(c), "min": c.min(), "p10": np.percentile(c, 10), "median": np.median(c), "mean": c.mean(),
         "p90": np.percentile(c, 90), "p99": np.percentile(c, 99), "max": c.max(), "share_at_limit": (s == 1).mean(),
         "share_stop": (s == 0).mean(), "reasoning_tokens": r.sum(), "answer_tokens": c.sum() - r.sum(),
         "share_short": (c < short).mean(), "top_decile_token_share": np.sort(c)[::-1][:k].sum() / c.sum(),
-        "share_think_closed": (r > 0).mean(), "share_reasoning": (r >= 3).mean(),
-        "reasoning_dataset": (r[s != 1] >= 3).mean() >= 0.5, "prompt_median": np.median(p),
+        "share_think_closed": (r > 0).mean(), "share_reasoning": (span >= 3).mean(),
+        "reasoning_dataset": (span[s != 1] >= 3).mean() >= 0.5, "prompt_median": np.median(p),
         "prompt_p99": np.percentile(p, 99), "prompt_tokens": p.sum(), "completion_tokens": c.sum(),
     }  # fmt: skip
 
@@ -314,7 +314,7 @@ def test_limit_mismatch_and_no_think_token_are_reported():
     from eagle_lib.lengths_plots import verdicts
 
     ls = Lengths("B", "d")
-    ls.add(3, 100, 0, 0)
+    ls.add(3, 100, 0, 0, 0)
     ls.limits[512] += 1
     p = Params(max_new_tokens=1024)
     comp, _, _ = lengths.tables([ls], p)
@@ -442,3 +442,14 @@ def test_worker_processes_give_the_same_lengths(tmp_path, monkeypatch):
         assert (a.kind, a.name, a.read, a.limits) == (b.kind, b.name, b.read, b.limits)
         for key, col in a.arrays().items():
             np.testing.assert_array_equal(col, b.arrays()[key])
+
+
+def test_empty_history_thinking_does_not_make_a_reasoning_sample():
+    """Kimi-like history turns render <think></think> (2 tokens): summed over turns they are not reasoning."""
+    start = 163606
+    ids = [9, 9, start, THINK, 5, 5, 9, 9, start, THINK, 6, 9, start, THINK, 7]
+    mask = [0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1]
+    ls = Lengths("A", "a")
+    ls.add(*lengths.scan_record(dumps(a_record(0, ids, mask), "compact"), TOK)[2:])
+    row = lengths.dataset_row(ls, Params())
+    assert (row["reasoning_tokens"], row["share_think_closed"], row["share_reasoning"]) == (6, 1.0, 0.0)

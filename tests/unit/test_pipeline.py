@@ -107,3 +107,16 @@ def test_cli_validate_reports_errors(tmp_path, capsys):
     assert main(["validate", str(bad)]) == 2
     assert "shared.seed" in capsys.readouterr().err
     assert Path(REPO_ROOT / "params").is_dir()
+
+
+def test_code_change_reruns_only_stages_that_import_it(repo):
+    p = params(repo)
+    go(repo, p)
+    unused = repo / "eagle_lib/models.py"  # not imported by the fake stages' notebooks
+    unused.write_text(unused.read_text() + "\n# unrelated edit\n")
+    go(repo, p)
+    assert runs(repo, "01_fake") == 1
+    used = repo / "eagle_lib/store.py"  # imported through eagle_lib.report
+    used.write_text(used.read_text() + "\n# edit\n")
+    go(repo, p)
+    assert runs(repo, "01_fake") == 2 and runs(repo, "02_fake") == 2
