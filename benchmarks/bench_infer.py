@@ -1,12 +1,13 @@
 """Embedded engine vs transformers' model.generate on the same prompts: tokens/s side by side, identical tokens.
 
-    .venv/bin/python benchmarks/bench_infer.py [--target toy://target] [--prompts outputs/toy/data/B/mot/prompts.jsonl]
+    .venv/bin/python benchmarks/bench_infer.py [--target toy://target] [--prompts 'outputs/toy/data/B/*/prompts.jsonl']
                                                [--n 64] [--max-new-tokens 128] [--batch-size 16] [--threads 1]
 
 Three runs over the same prompts, greedy, the same stop ids (the target's generation config):
   generate-1   model.generate one prompt at a time (no padding: the exact reference);
   generate-B   model.generate on batches of --batch-size in file order, left-padded (HF's batched path);
-  engine       EmbeddedEngine: longest-first batches, KV cache, finished rows dropped from the batch.
+  engine       EmbeddedEngine: longest prompts first, KV cache, continuous batching (finished rows leave,
+               waiting prompts join).
 Prints tokens/s of each and the engine's speedup over both, and checks the engine's ids equal generate-1's.
 """
 
@@ -24,8 +25,8 @@ from eagle_lib.engines import EmbeddedEngine, Request, Sampling
 
 
 def load_prompts(path: str, n: int, tokenizer, seed: int = 0) -> list[Request]:
-    """B prompts from a stage-02 file (or every B dataset of the toy run), else synthetic chat prompts."""
-    files = [path] if path else sorted(glob.glob("outputs/*/data/B/*/prompts.jsonl"))
+    """A seeded sample of B prompts from stage-02 files (a glob), else synthetic chat prompts."""
+    files = sorted(glob.glob(path))
     recs = list({r["id"]: r for f in files for r in store.iter_jsonl(f)}.values())  # runs share ids
     rng = random.Random(seed)
     if recs:
@@ -81,7 +82,9 @@ def timed(fn):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="toy://target")
-    ap.add_argument("--prompts", default="")
+    ap.add_argument(
+        "--prompts", default="outputs/*/data/B/*/prompts.jsonl", help="glob of stage-02 prompt files"
+    )
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -34,6 +34,9 @@ class Source(params.Strict):
     adapter: Adapter  # the schema: glaive, mot, openthoughts, swe_agent, sharegpt, openai, ... (see ADAPTERS)
     config: str = ""  # hub dataset config (e.g. "all" for Mixture-of-Thoughts); empty: default
     split: str = "train"  # hub dataset split
+    data_files: str = (
+        ""  # hub dataset: the one file to read when the repo holds several (empty: the builder's)
+    )
     streaming: bool = False  # stream a hub dataset instead of downloading it whole
     max_read: int = 0  # stop after reading this many rows (0: all)
     drop_system: bool = False  # drop system messages (e.g. OpenThoughts' format-forcing system prompt)
@@ -133,7 +136,10 @@ def _iter_parquet(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
 def _iter_hub(src: Source, hub_id: str) -> Iterator[tuple[dict, dict | None, str | None]]:
     import datasets
 
-    ds = datasets.load_dataset(hub_id, name=src.config or None, split=src.split, streaming=src.streaming)
+    kw = {"data_files": src.data_files} if src.data_files else {}
+    ds = datasets.load_dataset(
+        hub_id, name=src.config or None, split=src.split, streaming=src.streaming, **kw
+    )
     label = f"{hub_id}[{src.config or 'default'}:{src.split}]"
     for i, row in enumerate(ds):
         yield {"file": label, "row": i}, dict(row), None

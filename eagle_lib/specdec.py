@@ -251,7 +251,8 @@ def speculative_generate(
     first, feats = target.prefill(prompt_ids)
     gen, seq = Generation(output_ids=[first]), list(prompt_ids) + [first]
     proposer.start(seq, feats)
-    while len(gen.output_ids) < max_new_tokens and gen.output_ids[-1] not in eos:
+    stopped = first in eos
+    while len(gen.output_ids) < max_new_tokens and not stopped:
         t1 = time.perf_counter()
         drafts = proposer.propose(k)[:k]
         t2 = time.perf_counter()
@@ -264,6 +265,7 @@ def speculative_generate(
         target.keep(len(seq) + a)  # cache holds every position whose token is now final
         seq += new
         gen.output_ids += new
+        stopped = any(t in eos for t in new)  # an accepted draft may be the EOS: the sequence ends there
         proposer.advance(new, None if feats is None else feats[: a + 1])
         t4 = time.perf_counter()
         gen.accepted.append(a)

@@ -51,22 +51,22 @@ class Params(params.Strict):
         ""  # dir of hs_{i}.safetensors (token_ids [T], hidden_states [T, 4, H]); offline only
     )
     aux_layers: list[int] = []  # target decoder layers (0-based) feeding fc; empty means [1, L//2-1, L-4]
-    draft_vocab_size: int = 1024  # N: lm_head over the N most frequent label tokens
+    draft_vocab_size: int = 512  # N: lm_head over the N most frequent label tokens
     ttt_preset: str = (
         "eagle"  # eagle, specforge (k 7, decay 0.8) | speculators (3, 1.0) | modelopt (3, 0.9) | custom
     )
     ttt_steps: int = 0  # TTT unroll length k; 0 takes the preset's
     loss_decay: float = 0.0  # weight of step i is decay**i; 0 takes the preset's
-    epochs: int = 3  # passes over the training rows (ignored when max_steps > 0)
-    max_steps: int = 0  # optimizer steps; 0 means epochs x steps per epoch
-    learning_rate: float = 1e-3  # AdamW peak learning rate
+    epochs: int = 1  # passes over the training rows (ignored when max_steps > 0)
+    max_steps: int = 80  # optimizer steps; 0 means epochs x steps per epoch
+    learning_rate: float = 5e-3  # AdamW peak learning rate (toy; 1e-4 suits large targets)
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
     warmup_steps: int = 10  # linear warmup steps
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: list[float] = [0.9, 0.95]  # AdamW betas
     grad_clip: float = 0.5  # max global grad norm
     grad_accum: int = 1  # micro-batches per optimizer step (per process)
-    rows_per_batch: int = 4  # packed rows per micro-batch
+    rows_per_batch: int = 2  # packed rows per micro-batch
     pack_len: int = 1024  # tokens per packed row
     max_seq_len: int = 1024  # longer sequences are truncated (at most pack_len)
     max_train_samples: int = 0  # cap on training sequences; 0 means all

@@ -118,6 +118,14 @@ def test_stops_at_eos_like_generate(target):
     )
     assert gen.output_ids == hf_greedy(target, prompt, 20, eos=eos)
     assert gen.output_ids[-1] == eos and eos not in gen.output_ids[:-1]
+    # the step that produced the EOS was the last one, even when the EOS was an accepted draft mid-step
+    assert 1 + sum(a + 1 for a in gen.accepted[:-1]) < len(gen.output_ids)
+    # an EOS inside the first oracle step (outputs 1..5): the step ends the sequence
+    j = next(i for i in range(1, 5) if ref[i] not in ref[:i])
+    mid = speculative_generate(
+        TargetRunner(target), OracleProposer(target), prompt, 20, k=4, eos_ids=[ref[j]]
+    )
+    assert mid.output_ids == ref[: j + 1] and len(mid.accepted) == 1
 
 
 def test_oracle_accepts_everything(target):
