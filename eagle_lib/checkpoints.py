@@ -1,5 +1,8 @@
-"""Training checkpoints: ``checkpoints/step_NNNNNNN/`` = drafter safetensors + ``trainer.pt`` + ``COMPLETE``.
+"""Training checkpoints: ``checkpoints/<fingerprint>/step_NNNNNNN/`` = drafter safetensors + ``trainer.pt``
++ ``COMPLETE``.
 
+Each settings fingerprint (`eagle_lib.train.fingerprint`) has its own directory: a run with changed settings
+starts fresh beside the old checkpoints (nothing is deleted), and going back to earlier settings resumes them.
 ``trainer.pt`` holds the full (unsharded, name-keyed) optimizer state, the scheduler state, the step, the
 settings fingerprint and the log history, so a resumed run continues the same curve under any world size.
 ``COMPLETE`` is written last: a checkpoint without it (a crash while saving) is ignored.
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib import distributed, params
+from eagle_lib import distributed
 from eagle_lib.drafter import save_state
 
 
@@ -26,7 +29,7 @@ def save(out: Path, model, opt, sched, step: int, fp: str, history: list, config
     model_state, optim_state = distributed.full_state(model, opt)
     if not distributed.is_main():
         return
-    ck = out / "checkpoints" / f"step_{step:07d}"
+    ck = directory(out, fp) / f"step_{step:07d}"
     if ck.exists():
         shutil.rmtree(ck)
     save_state(drafter_state(model_state), config, ck, {"step": step, "fingerprint": fp})
@@ -41,29 +44,32 @@ def save(out: Path, model, opt, sched, step: int, fp: str, history: list, config
         ck / "trainer.pt",
     )
     (ck / "COMPLETE").write_text(str(step))
-    done = sorted(c for c in (out / "checkpoints").glob("step_*") if (c / "COMPLETE").exists())
+    done = complete(out, fp)
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old)
 
 
-def latest(out: Path) -> Path | None:
-    done = sorted(c for c in (out / "checkpoints").glob("step_*") if (c / "COMPLETE").exists())
-    return done[-1] if done else None
+def directory(out: Path, fp: str) -> Path:
+    """Where the checkpoints of one settings fingerprint live."""
+    return out / "checkpoints" / fp
+
+
+def complete(out: Path, fp: str) -> list[Path]:
+    """Complete checkpoints of these settings, oldest first."""
+    return sorted(c for c in directory(out, fp).glob("step_*") if (c / "COMPLETE").exists())
 
 
 def resume(out: Path, model, opt, sched, fp: str) -> tuple[int, list]:
     """Load the newest complete checkpoint into model/opt/sched; returns (step, history), (0, []) if none."""
     from safetensors.torch import load_file
 
-    ck = latest(out)
-    if ck is None:
+    done = complete(out, fp)
+    if not done:
         return 0, []
+    ck = done[-1]
     state = torch.load(ck / "trainer.pt", weights_only=False)
     if state["fingerprint"] != fp:
-        raise params.ParamsError(
-            f"{ck}: checkpoint made with other settings (fingerprint {state['fingerprint']} != {fp}); "
-            "set resume: false to start over (old checkpoints are then replaced) or restore the settings"
-        )
+        raise ValueError(f"{ck / 'trainer.pt'}: fingerprint {state['fingerprint']} in the directory of {fp}")
     weights = {f"drafter.{k}": v for k, v in load_file(str(ck / "model.safetensors")).items()}
     distributed.load_full_state(model, opt, weights, state["optimizer"])
     sched.load_state_dict(state["scheduler"])

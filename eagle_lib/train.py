@@ -1,7 +1,7 @@
 """Stage 05: train an EAGLE-3 drafter on A records + B responses with the target's hidden states.
 
-Writes ``run_dir/drafter/``: ``vocab/`` (cached draft-vocab maps), ``checkpoints/step_NNNNNNN/`` (drafter
-safetensors + ``trainer.pt`` with optimizer, scheduler and log history; ``COMPLETE`` written last),
+Writes ``run_dir/drafter/``: ``vocab/`` (cached draft-vocab maps), ``checkpoints/<fingerprint>/step_NNNNNNN/``
+(drafter safetensors + ``trainer.pt`` with optimizer, scheduler and log history; ``COMPLETE`` written last),
 ``train_log.jsonl`` (one line per optimizer step), ``final/`` (`eagle_lib.drafter.load_drafter` reads it;
 ``summary.json`` beside the weights), ``summary.json`` and ``meta.json``.
 
@@ -80,7 +80,9 @@ class Params(params.Strict):
     distributed: str = "ddp"  # ddp | fsdp (shards drafter, grads and optimizer state; large drafters)
     checkpoint_every: int = 50  # optimizer steps between checkpoints (and at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept
-    resume: bool = True  # continue from the newest complete checkpoint with the same settings
+    resume: bool = (
+        True  # continue from the newest complete checkpoint of the same settings; false: start over
+    )
     stop_after_steps: int = 0  # stop this invocation after so many steps (time-boxed jobs); 0 runs to the end
     log_every: int = 10  # print a progress line every so many steps
     max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before training aborts
@@ -333,10 +335,10 @@ def train(cfg: params.StageConfig) -> dict:
         trainable, lr=p.learning_rate, betas=tuple(p.adam_betas), weight_decay=p.weight_decay
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(p, total))
-    if not p.resume and distributed.is_main() and (out / "checkpoints").exists():
-        shutil.rmtree(out / "checkpoints")
-    distributed.barrier()
     fp = fingerprint(cfg)
+    if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
+        shutil.rmtree(checkpoints.directory(out, fp))  # asked to start over: only these settings' checkpoints
+    distributed.barrier()
     history = _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, drafter.config)
     if len(history) < total:  # stop_after_steps: the next run resumes
         stopped = {"stopped_at_step": len(history), "total_steps": total}

@@ -1,5 +1,6 @@
-"""Stage 04 (eagle_lib.lengths): the byte-level scanner against json.loads, the statistics against numpy on the
-same data, the projection interval against known answers, the verdicts, torn and corrupt files."""
+"""Stage 04 (eagle_lib.lengths, lengths_scan, lengths_report): the byte-level scanner against json.loads, the
+statistics against numpy on the same data, the projection interval against known answers, the verdicts, torn
+and corrupt files."""
 
 import hashlib
 import json
@@ -12,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_lib import lengths, params, store
-from eagle_lib.lengths import Lengths, Params
+from eagle_lib import lengths, lengths_scan, params, store
+from eagle_lib.lengths import Params
+from eagle_lib.lengths_scan import Lengths
 
 THINK = 163607
 TOK = str(THINK).encode()
@@ -80,7 +82,7 @@ _FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
        style=st.sampled_from(["compact", "spaced", "shuffled"]))  # fmt: skip
 def test_scan_response_matches_json_reference(out, prompt, text, finish, style):
     rec = response(0, out, prompt, finish, text=text)
-    sid, limit, *row = lengths.scan_response(dumps(rec, style), TOK)
+    sid, limit, *row = lengths_scan.scan_response(dumps(rec, style), TOK)
     assert (sid, limit) == ("r0", 64)
     assert tuple(row) == ref_response(rec)
 
@@ -94,7 +96,7 @@ def test_scan_record_matches_turn_reference(data, style, truncated):
         seq += piece
         mask += [int(trained)] * len(piece)
     rec = a_record(0, seq, mask, truncated)
-    sid, limit, *row = lengths.scan_record(dumps(rec, style), TOK)
+    sid, limit, *row = lengths_scan.scan_record(dumps(rec, style), TOK)
     assert sid == "a0" and limit is None
     assert tuple(row) == ref_record(rec)
 
@@ -110,11 +112,11 @@ def test_scan_rejects_inconsistent_records(tmp_path):
         f = tmp_path / f"b{i}" / "responses.jsonl"
         store.append_jsonl(f, [response(9, [1]), rec, response(8, [2])])
         with pytest.raises(store.RecordError, match=f"{f}: line 2: {why}"):
-            lengths.scan_dataset("B", "b", [f], THINK)
+            lengths_scan.scan_dataset("B", "b", [f], THINK)
     a = tmp_path / "a.jsonl"
     store.append_jsonl(a, [a_record(0, [1, 2, 3], [0, 1, 1]) | {"loss_mask": [0, 1]}])
     with pytest.raises(store.RecordError, match="line 1: loss_mask has 2 entries, input_ids 3"):
-        lengths.scan_dataset("A", "a", [a], THINK)
+        lengths_scan.scan_dataset("A", "a", [a], THINK)
 
 
 def test_torn_lines_are_skipped_like_store_and_corruption_is_named(tmp_path):
@@ -126,7 +128,7 @@ def test_torn_lines_are_skipped_like_store_and_corruption_is_named(tmp_path):
     store.append_jsonl(f, recs[3:])
     with open(f, "ab") as h:  # a write in progress: cut right after a nested object closed
         h.write(json.dumps(response(7, [1, 2]))[:-10].encode() + b"}")
-    ls = lengths.scan_dataset("B", "b", [f], THINK)
+    ls = lengths_scan.scan_dataset("B", "b", [f], THINK)
     assert (
         list(ls.arrays()["completion"]) == [len(r["output_ids"]) for r in store.iter_jsonl(f)] == [1, 2, 4, 5]
     )
@@ -136,7 +138,7 @@ def test_torn_lines_are_skipped_like_store_and_corruption_is_named(tmp_path):
         json.dumps(recs[0]).encode() + b'\n{"id": "z", "output_ids": [1], oops}\n' + f.read_bytes()[:50]
     )
     with pytest.raises(store.RecordError, match=rf"{g}: line 2: "):
-        lengths.scan_dataset("B", "b", [g], THINK)
+        lengths_scan.scan_dataset("B", "b", [g], THINK)
 
 
 def test_empty_line_inside_a_file_is_an_error(tmp_path):
@@ -145,13 +147,13 @@ def test_empty_line_inside_a_file_is_an_error(tmp_path):
         json.dumps(response(0, [1])).encode() + b"\n\n" + json.dumps(response(1, [1])).encode() + b"\n"
     )
     with pytest.raises(store.RecordError, match="line 2: empty line"):
-        lengths.scan_dataset("B", "b", [f], THINK)
+        lengths_scan.scan_dataset("B", "b", [f], THINK)
 
 
 def test_growing_file_is_read_up_to_its_size_when_opened(tmp_path):
     f = tmp_path / "responses.jsonl"
     store.append_jsonl(f, [response(i, [1, 2]) for i in range(3)])
-    lines = lengths.iter_lines(f, block=64)
+    lines = lengths_scan.iter_lines(f, block=64)
     first = next(lines)
     store.append_jsonl(f, [response(i, [1]) for i in range(3, 9)])  # 03 appends while we read
     assert 1 + sum(1 for _ in lines) == 3 and first[0] == 1
@@ -161,7 +163,7 @@ def test_repeated_ids_count_once_across_shard_files(tmp_path):
     main, shard = tmp_path / "responses.jsonl", tmp_path / "shards" / "0-of-2" / "responses.jsonl"
     store.append_jsonl(main, [response(0, [1] * 5), response(1, [1] * 6)])
     store.append_jsonl(shard, [response(1, [1] * 99), response(2, [1] * 7)])
-    ls = lengths.scan_dataset("B", "b", [main, shard], THINK)
+    ls = lengths_scan.scan_dataset("B", "b", [main, shard], THINK)
     assert list(ls.arrays()["completion"]) == [5, 6, 7] and ls.duplicates == 1
 
 
@@ -302,7 +304,7 @@ def _check_row(**over):
     ],
 )
 def test_each_check_fires_on_its_threshold_and_names_its_numbers(over, peers, check, numbers):
-    from eagle_lib.lengths_plots import _dataset_checks
+    from eagle_lib.lengths_report import _dataset_checks
 
     failed = [c for c in _dataset_checks(pd.Series(_check_row(**over)), peers, Params()) if c[3]]
     assert [c[0] for c in failed] == ([check] if check else [])
@@ -311,7 +313,7 @@ def test_each_check_fires_on_its_threshold_and_names_its_numbers(over, peers, ch
 
 
 def test_limit_mismatch_and_no_think_token_are_reported():
-    from eagle_lib.lengths_plots import verdicts
+    from eagle_lib.lengths_report import verdicts
 
     ls = Lengths("B", "d")
     ls.add(3, 100, 0, 0, 0)
@@ -427,17 +429,17 @@ def test_b_dataset_not_started_yet_is_listed_with_its_plan(tmp_path):
     store.append_jsonl(
         tmp_path / "infer" / "early" / "responses.jsonl", [response(i, [1] * 9) for i in range(40)]
     )
-    sources = lengths.find_sources(tmp_path, [])
+    sources = lengths_scan.find_sources(tmp_path, [])
     assert [(k, n, len(f)) for k, n, f in sources] == [("B", "early", 1), ("B", "late", 0)]
-    assert lengths.find_sources(tmp_path, ["late"])[0][1] == "late"
+    assert lengths_scan.find_sources(tmp_path, ["late"])[0][1] == "late"
 
 
 def test_worker_processes_give_the_same_lengths(tmp_path, monkeypatch):
     make_run(tmp_path, n_b=40)
-    sources = lengths.find_sources(tmp_path, [])
-    serial = lengths.scan_all(sources, THINK, 1 << 20, workers=1)
-    monkeypatch.setattr(lengths, "PARALLEL_BYTES", 0)
-    parallel = lengths.scan_all(sources, THINK, 1 << 20, workers=2)
+    sources = lengths_scan.find_sources(tmp_path, [])
+    serial = lengths_scan.scan_all(sources, THINK, 1 << 20, workers=1)
+    monkeypatch.setattr(lengths_scan, "PARALLEL_BYTES", 0)
+    parallel = lengths_scan.scan_all(sources, THINK, 1 << 20, workers=2)
     for a, b in zip(serial, parallel, strict=True):
         assert (a.kind, a.name, a.read, a.limits) == (b.kind, b.name, b.read, b.limits)
         for key, col in a.arrays().items():
@@ -450,6 +452,6 @@ def test_empty_history_thinking_does_not_make_a_reasoning_sample():
     ids = [9, 9, start, THINK, 5, 5, 9, 9, start, THINK, 6, 9, start, THINK, 7]
     mask = [0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1]
     ls = Lengths("A", "a")
-    ls.add(*lengths.scan_record(dumps(a_record(0, ids, mask), "compact"), TOK)[2:])
+    ls.add(*lengths_scan.scan_record(dumps(a_record(0, ids, mask), "compact"), TOK)[2:])
     row = lengths.dataset_row(ls, Params())
     assert (row["reasoning_tokens"], row["share_think_closed"], row["share_reasoning"]) == (6, 1.0, 0.0)

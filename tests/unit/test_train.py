@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_lib import batches, params, store, train, ttt
+from eagle_lib import batches, store, train, ttt
 from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, load_drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -193,7 +193,7 @@ def test_resume_continues_the_same_run(world, tmp_path):
     full = train.run(eagle_tiny.stage_config(full_dir, root / "target"))
     part = train.run(eagle_tiny.stage_config(cut_dir, root / "target", stop_after_steps=3))
     assert part == {"stopped_at_step": 3, "total_steps": 6}
-    ck = sorted((cut_dir / "drafter/checkpoints").glob("step_*"))
+    ck = sorted((cut_dir / "drafter/checkpoints").glob("*/step_*"))
     assert [c.name for c in ck] == ["step_0000002"]  # step 3 was not checkpointed: resume from 2
     assert {"model.safetensors", "trainer.pt", "COMPLETE"} <= {p.name for p in ck[0].iterdir()}
     resumed = train.run(eagle_tiny.stage_config(cut_dir, root / "target"))
@@ -208,8 +208,10 @@ def test_resume_continues_the_same_run(world, tmp_path):
     assert a[-1]["loss"] < a[0]["loss"]
     summary = json.loads((full_dir / "drafter/final/summary.json").read_text())
     assert summary["vocab"]["coverage"] > 0.5 and len(summary["heldout"]["acc"]) == 2
-    with pytest.raises(params.ParamsError, match="other settings"):
-        train.run(eagle_tiny.stage_config(cut_dir, root / "target", learning_rate=1e-2))
+    other = train.run(eagle_tiny.stage_config(cut_dir, root / "target", learning_rate=1e-2))
+    assert other["steps"] == 6 and len(list((cut_dir / "drafter/checkpoints").iterdir())) == 2
+    assert [r["step"] for r in store.read_jsonl(cut_dir / "drafter/train_log.jsonl")] == list(range(1, 7))
+    assert (ck[0].parent / "step_0000006" / "COMPLETE").exists()  # other settings start fresh, beside
 
 
 def test_nan_guard_skips_then_aborts(world, tmp_path, monkeypatch):
