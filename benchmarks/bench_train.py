@@ -1,6 +1,6 @@
 """Training throughput of our EAGLE-3 TTT step vs speculators 0.9's Eagle3DraftModel, side by side on CPU.
 
-Same drafter shape (the toy target's: H 256, 4 heads of 64, 2 KV heads, MLP 768, V 4096, draft vocab 1024),
+Same drafter shape (small: H 256, 4 heads of 64, 2 KV heads, MLP 768, V 4096, draft vocab 1024),
 same packed rows (T tokens, 4 sequences per row), same target features, same k. One forward + backward per
 iteration. speculators runs with eager and sdpa attention and its eager loss (kl_div); ours with its eager
 TTT attention and soft cross-entropy (same gradient as KL). Each side runs in its own subprocess (speculators

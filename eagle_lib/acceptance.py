@@ -191,25 +191,30 @@ def eos_ids(tokenizer, target) -> list[int]:
 def compare_online(
     online: dict[str, dict], tau: pd.DataFrame, gens: list[dict], engine: str, tol: float
 ) -> pd.DataFrame:
-    """Online tau beside the offline eagle3 tau per dataset, the greedy-output check and the diagnosis.
-
-    vLLM's tau is compared with the offline tau; SGLang's (tokens / verify steps) with offline tokens per step.
-    """
+    """Online tau beside the offline eagle3 tau per dataset and pooled ('all'), the greedy-output check and
+    the diagnosis. vLLM's tau is set beside the offline tau; SGLang's (tokens / verify steps) beside the
+    offline tokens per step."""
     col = "tau" if engine == "vllm" else "tokens_per_step"
     off = tau[tau.method == "eagle3"].set_index("dataset")[col] if len(tau) else pd.Series(dtype=float)
     ref = {(r["dataset"], r["id"]): r["output_ids"] for r in gens if r["method"] == "none"}
+    same = {
+        ds: [_prefix_equal(ids, ref[(ds, i)]) for i, ids in o["outputs"].items() if (ds, i) in ref]
+        for ds, o in online.items()
+    }
+    same["all"] = [x for v in same.values() for x in v]
+    taus = {ds: o["tau"] for ds, o in online.items()} | {"all": _overall_online(online, engine)}
     rows = []
-    for ds, o in online.items():
-        same = [_prefix_equal(ids, ref[(ds, i)]) for i, ids in o["outputs"].items() if (ds, i) in ref]
+    for ds, t in taus.items():
         off_tau = float(off[ds]) if ds in off.index else None
-        diag = preflight.diagnose(off_tau, o["tau"], tol)
+        diag = preflight.diagnose(off_tau, t, tol)
+        eq = sum(same[ds]) / len(same[ds]) if same[ds] else float("nan")
         rows.append(
             {
                 "dataset": ds,
                 "engine": engine,
-                "online_tau": o["tau"],
+                "online_tau": t,
                 "offline": off_tau,
-                "greedy_equal": (sum(same) / len(same)) if same else float("nan"),
+                "greedy_equal": eq,
                 "verdict": diag["verdict"],
                 "message": diag["message"],
                 "causes": diag["causes"],
@@ -270,9 +275,7 @@ def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load)
     )
 
 
-def headline(
-    tau: pd.DataFrame, pf: list[dict], online: pd.DataFrame | None, overall_online: float | None, p: Params
-) -> dict:
+def headline(tau: pd.DataFrame, pf: list[dict], online: pd.DataFrame | None, p: Params) -> dict:
     """The numbers report.record keeps: taus, per-position acceptance, speedups, losslessness, checks."""
     h: dict = {"preflight_ok": all(r["ok"] for r in pf)}
     k = p.num_steps
@@ -291,14 +294,13 @@ def headline(
             per = tau[(tau.method == "eagle3") & (tau.dataset != "all")]
             h["tau_eagle3_by_dataset"] = dict(zip(per.dataset, per.tau.astype(float), strict=True))
     if online is not None:
-        h["online_tau"] = overall_online
-        h["online_tau_by_dataset"] = dict(zip(online.dataset, online.online_tau.astype(float), strict=True))
-        h["online_verdicts"] = dict(zip(online.dataset, online.verdict, strict=True))
-        h["online_greedy_equal"] = float(online.greedy_equal.mean())
-        col = "tau" if p.online_engine == "vllm" else "tokens_per_step"
-        off = tau[(tau.method == "eagle3") & (tau.dataset == "all")][col] if len(tau) else []
-        off_tau = float(off.iloc[0]) if len(off) else None
-        h["online_verdict"] = preflight.diagnose(off_tau, overall_online, p.online_tolerance)
+        allr = online.set_index("dataset").loc["all"]
+        per = online[online.dataset != "all"]
+        h["online_tau"] = float(allr.online_tau)
+        h["online_tau_by_dataset"] = dict(zip(per.dataset, per.online_tau.astype(float), strict=True))
+        h["online_verdicts"] = dict(zip(per.dataset, per.verdict, strict=True))
+        h["online_greedy_equal"] = float(allr.greedy_equal)
+        h["online_verdict"] = {key: allr[key] for key in ("verdict", "message", "causes")}
     return h
 
 
@@ -361,16 +363,13 @@ def run(cfg: params.StageConfig) -> Eval:
     tau, pos, hist = tables(gens, p.num_steps, ratio) if gens else (pd.DataFrame(),) * 3
     for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist)):
         df.to_csv(out / f"{name}.csv", index=False)
-    online, overall = None, None
+    online = None
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
         raw = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)))
-        overall = _overall_online(raw, p.online_engine)
         online = compare_online(raw, tau, gens, p.online_engine, p.online_tolerance)
-        store.write_json(
-            out / "online.json", {"engine": p.online_engine, "overall_tau": overall, "datasets": raw}
-        )
-    h = {**headline(tau, pf, online, overall, p), "cost_ratio": ratio}
+        store.write_json(out / "online.json", {"engine": p.online_engine, "datasets": raw})
+    h = {**headline(tau, pf, online, p), "cost_ratio": ratio}
     done = time.time()
     meta = {
         **tally,

@@ -95,13 +95,8 @@ def check_config(fmt: str, cfg: dict, target: dict, trained_aux: list[int] | Non
     out: list[Check] = []
     if fmt == "sglang":
         arch = cfg.get("architectures") or []
-        _check(
-            out,
-            "architectures",
-            arch == [export.SGLANG_ARCH],
-            f"{arch}",
-            f"{arch}: SGLang's EAGLE3 loader needs {[export.SGLANG_ARCH]}",
-        )
+        bad = f"{arch}: SGLang's EAGLE3 loader needs {[export.SGLANG_ARCH]}"
+        _check(out, "architectures", arch == [export.SGLANG_ARCH], f"{arch}", bad)
         layer = cfg
     else:
         kind = cfg.get("speculators_model_type")
@@ -112,32 +107,18 @@ def check_config(fmt: str, cfg: dict, target: dict, trained_aux: list[int] | Non
         bad += f"{'; ' if bad else ''}{on} set: this drafter has none of those norms" if on else ""
         _check(out, "norm flags", not missing and not on, "all false and written out", bad)
         layer = cfg.get("transformer_layer_config") or {}
-    _check(
-        out,
-        "num_hidden_layers",
-        layer.get("num_hidden_layers") == 1,
-        "1",
-        f"{layer.get('num_hidden_layers')}: an EAGLE-3 drafter has one decoder layer",
-    )
+    n = layer.get("num_hidden_layers")
+    _check(out, "num_hidden_layers", n == 1, "1", f"{n}: an EAGLE-3 drafter has one decoder layer")
     th, tv, tl = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
     got_th = cfg.get("target_hidden_size") or layer.get("hidden_size")
     _check(out, "target_hidden_size", got_th == th, f"{got_th}", f"{got_th} != target hidden {th}")
+    v = layer.get("vocab_size")
     _check(
-        out,
-        "vocab_size",
-        layer.get("vocab_size") == tv,
-        f"{tv}",
-        f"{layer.get('vocab_size')} != target vocab {tv}: trained for another target or tokenizer",
+        out, "vocab_size", v == tv, f"{tv}", f"{v} != target vocab {tv}: trained for another target/tokenizer"
     )
     head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
-    _check(
-        out,
-        "head_dim (vLLM CPU)",
-        head_dim in VLLM_CPU_HEAD_SIZES,
-        f"{head_dim}",
-        f"{head_dim}: vLLM's CPU backend supports {VLLM_CPU_HEAD_SIZES}",
-        severity="warning",
-    )
+    bad = f"{head_dim}: vLLM's CPU backend supports {VLLM_CPU_HEAD_SIZES}"
+    _check(out, "head_dim (vLLM CPU)", head_dim in VLLM_CPU_HEAD_SIZES, f"{head_dim}", bad, "warning")
     out += check_aux_layers(fmt, cfg, tl, trained_aux)
     return out
 
@@ -148,43 +129,29 @@ def check_aux_layers(fmt: str, cfg: dict, n_layers: int, trained: list[int] | No
     out: list[Check] = []
     ours = export.aux_layers_of(fmt, cfg) or default_aux_layers(n_layers)
     if trained is not None:
-        _check(
-            out,
-            "aux layers = trained",
-            list(trained) == ours,
-            f"{ours}",
+        bad = (
             f"the config makes the engine read layers {ours}, the drafter was trained on {list(trained)} "
-            "(vLLM's top-level ids are HF hidden_states indices: decoder-layer output + 1)",
+            "(vLLM's top-level ids are HF hidden_states indices: decoder-layer output + 1)"
         )
-    _check(
-        out,
-        "aux layers",
-        len(set(ours)) == 3 == len(ours) and all(0 <= a < n_layers for a in ours),
-        f"{ours} (decoder-layer outputs, 0-based) < {n_layers} layers",
+        _check(out, "aux layers = trained", list(trained) == ours, f"{ours}", bad)
+    ok = len(set(ours)) == 3 == len(ours) and all(0 <= a < n_layers for a in ours)
+    good = f"{ours} (decoder-layer outputs, 0-based) < {n_layers} layers"
+    bad = (
         f"{ours}: need 3 distinct ids in [0, {n_layers}) (0-based decoder-layer outputs; vLLM captures a "
-        "repeated layer once and its fc then reads a narrower feature)",
+        "repeated layer once and its fc then reads a narrower feature)"
     )
+    _check(out, "aux layers", ok, good, bad)
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     if fmt == "sglang" and nested and top is None:
-        out.append(
-            Check(
-                "aux layers (vLLM)",
-                False,
-                f"only eagle_config ids {nested}: vLLM reads them as HF "
-                "hidden_states indices, one layer earlier than SGLang does; add the top-level "
-                f"eagle_aux_hidden_state_layer_ids {[a + 1 for a in nested]}",
-                "warning",
-            )
+        msg = (
+            f"only eagle_config ids {nested}: vLLM reads them as HF hidden_states indices, one layer earlier "
+            f"than SGLang does; add the top-level eagle_aux_hidden_state_layer_ids {[a + 1 for a in nested]}"
         )
+        out.append(Check("aux layers (vLLM)", False, msg, "warning"))
     elif fmt == "sglang" and nested and top is not None:
-        _check(
-            out,
-            "aux layers (vLLM)",
-            list(top) == [a + 1 for a in nested],
-            f"top-level {top} = eagle_config + 1",
-            f"top-level {top} != eagle_config {nested} + 1: the two engines would read different layers",
-        )
+        bad = f"top-level {top} != eagle_config {nested} + 1: the two engines would read different layers"
+        _check(out, "aux layers (vLLM)", list(top) == [a + 1 for a in nested], f"top-level {top}", bad)
     return out
 
 
@@ -192,13 +159,7 @@ def check_weights(tensors: dict[str, torch.Tensor], cfg: Eagle3Config, target: d
     """fc width, lm_head / vocab-map shapes, and the vocab map's range against the target vocab."""
     out: list[Check] = []
     th, tv = target["hidden_size"], target["vocab_size"]
-    need = [
-        "fc.weight",
-        "lm_head.weight",
-        "norm.weight",
-        "midlayer.self_attn.q_proj.weight",
-        "midlayer.hidden_norm.weight",
-    ]
+    need = ["fc.weight", "lm_head.weight", "norm.weight", "midlayer.self_attn.q_proj.weight"]
     missing = [k for k in need if k not in tensors]
     _check(out, "weights present", not missing, "fc, midlayer, norm, lm_head", f"missing {missing}")
     if missing:
@@ -209,13 +170,8 @@ def check_weights(tensors: dict[str, torch.Tensor], cfg: Eagle3Config, target: d
         bad += ": one layer wide, an EAGLE(-1) drafter or features from the final layer only"
     _check(out, "fc input = 3 x target hidden", fc == (cfg.hidden_size, 3 * th), f"{list(fc)}", bad)
     n = tensors["lm_head.weight"].shape[0]
-    _check(
-        out,
-        "lm_head rows = draft_vocab_size",
-        n == cfg.draft_vocab_size,
-        f"{n}",
-        f"{n} != draft_vocab_size {cfg.draft_vocab_size}",
-    )
+    bad = f"{n} != draft_vocab_size {cfg.draft_vocab_size}"
+    _check(out, "lm_head rows = draft_vocab_size", n == cfg.draft_vocab_size, f"{n}", bad)
     out += check_vocab_map(tensors.get("d2t"), tensors.get("t2d"), n, tv)
     return out
 
@@ -226,51 +182,24 @@ def check_vocab_map(
     """target_id = draft_id + d2t[draft_id]: every id inside the target vocab, increasing, agreeing with t2d."""
     out: list[Check] = []
     if d2t is None:
-        _check(
-            out,
-            "d2t",
-            n_draft == v_target,
-            "absent (draft vocab = full vocab)",
-            f"absent while the draft vocab ({n_draft}) is smaller than the target's ({v_target})",
-        )
+        bad = f"absent while the draft vocab ({n_draft}) is smaller than the target's ({v_target})"
+        _check(out, "d2t", n_draft == v_target, "absent (draft vocab = full vocab)", bad)
         return out
     if n_draft == v_target:
-        out.append(
-            Check(
-                "d2t",
-                False,
-                "present with a full-size draft vocab: vLLM 0.32 fails to load it (no "
-                "draft_id_to_target_id parameter); drop d2t/t2d",
-                "error",
-            )
-        )
+        msg = "present with a full-size draft vocab: vLLM 0.32 refuses it (no draft_id_to_target_id); drop d2t/t2d"
+        out.append(Check("d2t", False, msg))
     ids = d2t.long() + torch.arange(len(d2t))
     _check(out, "d2t length", len(d2t) == n_draft, f"{len(d2t)}", f"{len(d2t)} != draft vocab {n_draft}")
     lo, hi = int(ids.min()), int(ids.max())
-    _check(
-        out,
-        "d2t range",
-        lo >= 0 and hi < v_target,
-        f"target ids in [{lo}, {hi}] < {v_target}",
-        f"target ids in [{lo}, {hi}], outside [0, {v_target})",
-    )
-    _check(
-        out,
-        "d2t increasing",
-        bool((ids[1:] > ids[:-1]).all()),
-        "d2t + arange strictly increasing",
-        "d2t + arange not strictly increasing (duplicate or unsorted target ids)",
-    )
+    ok, span = lo >= 0 and hi < v_target, f"target ids in [{lo}, {hi}]"
+    _check(out, "d2t range", ok, f"{span} < {v_target}", f"{span}, outside [0, {v_target})")
+    bad = "d2t + arange not strictly increasing (duplicate or unsorted target ids)"
+    _check(out, "d2t increasing", bool((ids[1:] > ids[:-1]).all()), "d2t + arange strictly increasing", bad)
     if t2d is not None:
         marked = t2d.bool().nonzero().flatten()
         ok = len(t2d) == v_target and torch.equal(marked, ids.sort().values)
-        _check(
-            out,
-            "t2d agrees with d2t",
-            ok,
-            f"{int(t2d.sum())} kept of {len(t2d)}",
-            f"t2d (len {len(t2d)}, {int(t2d.sum())} set) does not mark exactly d2t's target ids",
-        )
+        bad = f"t2d (len {len(t2d)}, {int(t2d.sum())} set) does not mark exactly d2t's target ids"
+        _check(out, "t2d agrees with d2t", ok, f"{int(t2d.sum())} kept of {len(t2d)}", bad)
     return out
 
 
@@ -294,37 +223,18 @@ def check_sglang_cmd(cmd: str, drafter_dir: str, target: str) -> list[Check]:
         bad += " (EAGLE drops fc and the aux layers: features 1 x hidden wide, acceptance ~1.0)"
     _check(out, "sglang --speculative-algorithm", algo == "EAGLE3", "EAGLE3", bad)
     path = f.get("--speculative-draft-model-path", "")
-    _check(
-        out,
-        "sglang --speculative-draft-model-path",
-        _same_path(path, drafter_dir),
-        path,
-        f"{path!r} is not the checked drafter {drafter_dir}",
-        "warning",
-    )
+    bad = f"{path!r} is not the checked drafter {drafter_dir}"
+    _check(out, "sglang --speculative-draft-model-path", _same_path(path, drafter_dir), path, bad, "warning")
     model = f.get("--model-path", f.get("--model", ""))
-    _check(
-        out,
-        "sglang --model-path",
-        _same_path(model, target),
-        model,
-        f"{model!r} != target {target}",
-        "warning",
-    )
-    steps, topk = (
-        int(f.get("--speculative-num-steps", 0) or 0),
-        int(f.get("--speculative-eagle-topk", 1) or 1),
-    )
+    bad = f"{model!r} != target {target}"
+    _check(out, "sglang --model-path", _same_path(model, target), model, bad, "warning")
+    steps = int(f.get("--speculative-num-steps", 0) or 0)
+    topk = int(f.get("--speculative-eagle-topk", 1) or 1)
     tokens = int(f.get("--speculative-num-draft-tokens", 0) or 0)
     if topk == 1:
-        _check(
-            out,
-            "sglang draft tokens = steps + 1",
-            tokens == steps + 1 and steps > 0,
-            f"{steps} steps, {tokens} draft tokens",
-            f"{steps} steps with topk 1 needs --speculative-num-draft-tokens {steps + 1}, got {tokens}",
-            "warning",
-        )
+        ok, good = tokens == steps + 1 and steps > 0, f"{steps} steps, {tokens} draft tokens"
+        bad = f"{steps} steps with topk 1 needs --speculative-num-draft-tokens {steps + 1}, got {tokens}"
+        _check(out, "sglang draft tokens = steps + 1", ok, good, bad, "warning")
     return out
 
 
@@ -438,14 +348,8 @@ def preflight(
     if fmt == "sglang":
         rep.checks += check_sglang_cmd(sglang_cmd or rep.commands["sglang"], d, target)
     elif sglang_cmd:
-        rep.checks.append(
-            Check(
-                "sglang format",
-                False,
-                "SGLang cannot load a speculators-format drafter: point "
-                "--speculative-draft-model-path at the sglang export (LlamaForCausalLMEagle3)",
-            )
-        )
+        msg = "SGLang cannot load a speculators-format drafter: serve the sglang export (LlamaForCausalLMEagle3)"
+        rep.checks.append(Check("sglang format", False, msg))
     gen_spec = json.loads(shlex.split(rep.commands["vllm"])[-1])
     rep.checks += check_vllm_spec(vllm_spec or gen_spec, d)
     return rep
@@ -464,37 +368,30 @@ COLLAPSE_CAUSES = [
 ]
 
 
+def _verdict(verdict: str, message: str, causes: list[str] | None = None) -> dict:
+    return {"verdict": verdict, "message": message, "causes": causes or []}
+
+
 def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: float = 0.2) -> dict:
-    """Compare online with offline tau: verdict agree | lower | higher | collapsed | no_online, with causes."""
+    """Compare online with offline tau: verdict agree | lower | higher | collapsed | online_only | no_online,
+    a message, and the likely causes when the server accepts less."""
     if online_tau is None or online_tau != online_tau:
-        return {"verdict": "no_online", "message": "no online acceptance measured", "causes": []}
+        return _verdict("no_online", "no online acceptance measured")
+    off = "" if offline_tau is None else f" while offline tau is {offline_tau:.2f}"
     if online_tau < 1.1 and (offline_tau is None or offline_tau > 1.3):
-        ref = "" if offline_tau is None else f" while offline tau is {offline_tau:.2f}"
-        return {
-            "verdict": "collapsed",
-            "causes": COLLAPSE_CAUSES,
-            "message": f"online tau {online_tau:.2f} ~ 1.0{ref}: the server accepts almost no drafts",
-        }
+        msg = f"online tau {online_tau:.2f} ~ 1.0{off}: the server accepts almost no drafts"
+        return _verdict("collapsed", msg, COLLAPSE_CAUSES)
     if offline_tau is None:
-        return {
-            "verdict": "online_only",
-            "message": f"online tau {online_tau:.2f} (no offline tau)",
-            "causes": [],
-        }
+        return _verdict("online_only", f"online tau {online_tau:.2f} (no offline tau)")
     gap = online_tau - offline_tau
     if abs(gap) <= tolerance:
-        return {
-            "verdict": "agree",
-            "causes": [],
-            "message": f"online tau {online_tau:.2f} agrees with offline {offline_tau:.2f} (±{tolerance})",
-        }
+        return _verdict(
+            "agree", f"online tau {online_tau:.2f} agrees with offline {offline_tau:.2f} (±{tolerance})"
+        )
     verdict = "lower" if gap < 0 else "higher"
+    msg = f"online tau {online_tau:.2f} is {verdict} than offline {offline_tau:.2f} by {abs(gap):.2f}"
     causes = COLLAPSE_CAUSES[2:] + ["bf16/fp16 serving vs fp32 offline (near-ties flip)", "different prompts"]
-    return {
-        "verdict": verdict,
-        "causes": causes if gap < 0 else ["different prompts or stopping rules"],
-        "message": f"online tau {online_tau:.2f} is {verdict} than offline {offline_tau:.2f} by {abs(gap):.2f}",
-    }
+    return _verdict(verdict, msg, causes if gap < 0 else ["different prompts or stopping rules"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,7 +288,7 @@ def _clip(ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     return ids
 
 
-# --- accounting: tau, per-position acceptance, speedups ------------------------------------------------------------------------------------------
+# --- accounting: tau, per-position acceptance, speedups ----------------------------------------------
 def acceptance_stats(accepted: list[int], k: int) -> dict:
     """tau, per-position acceptance (unconditional, conditional) and the histogram of accepted lengths."""
     n = len(accepted)
@@ -311,17 +311,19 @@ def tables(
         st = acceptance_stats([a for r in g for a in r["accepted"]], k)
         tokens = sum(len(r["output_ids"]) for r in g)
         secs = sum(r["total_s"] for r in g)
+        per_step, per_token = tokens / max(st["steps"], 1), secs / max(tokens, 1)
+        lossless = all(r["lossless"] for r in g)
         rows.append(
-            {
-                "method": method,
-                "dataset": ds,
-                "prompts": len(g),
-                "tokens": tokens,
-                "tokens_per_step": tokens / max(st["steps"], 1),
-                "s_per_token": secs / max(tokens, 1),
-                "lossless": all(r["lossless"] for r in g),
+            dict(
+                method=method,
+                dataset=ds,
+                prompts=len(g),
+                tokens=tokens,
+                tokens_per_step=per_step,
+                s_per_token=per_token,
+                lossless=lossless,
                 **st,
-            }
+            )
         )
     tau = pd.DataFrame(rows)
     base = tau[tau.method == "none"].set_index("dataset")["s_per_token"]
@@ -333,13 +335,13 @@ def tables(
         t / (1 + ratio[m] * (k if m == "eagle3" else 0)) for m, t in zip(tau.method, tau.tau, strict=True)
     ]
     pos = [
-        {
-            "method": r["method"],
-            "dataset": r["dataset"],
-            "position": i,
-            "acc": r[f"acc_{i}"],
-            "cond_acc": r[f"cond_acc_{i}"],
-        }
+        dict(
+            method=r["method"],
+            dataset=r["dataset"],
+            position=i,
+            acc=r[f"acc_{i}"],
+            cond_acc=r[f"cond_acc_{i}"],
+        )
         for r in rows
         for i in range(1, k + 1)
     ]
@@ -423,13 +425,13 @@ def online_vllm(
     model = model or _http(base_url + "/v1/models")["data"][0]["id"]
 
     def one(pr: Prompt) -> list[int]:
-        body = {
-            "model": model,
-            "prompt": pr.prompt_ids,
-            "max_tokens": max_new_tokens,
-            "temperature": 0.0,
-            "return_token_ids": True,
-        }
+        body = dict(
+            model=model,
+            prompt=pr.prompt_ids,
+            max_tokens=max_new_tokens,
+            temperature=0.0,
+            return_token_ids=True,
+        )
         return list(_http(base_url + "/v1/completions", body, timeout_s)["choices"][0]["token_ids"])
 
     out = {}
@@ -447,13 +449,8 @@ def online_vllm(
         per_pos = [
             d.get(f"pos_{i}", 0.0) / d["drafts"] if d["drafts"] else float("nan") for i in range(num_steps)
         ]
-        out[ds] = {
-            "tau": tau,
-            "drafts": d["drafts"],
-            "accepted": d["accepted"],
-            "acc": per_pos,
-            "outputs": {pr.id: o for pr, o in zip(ps, outputs, strict=True)},
-        }
+        ids = {pr.id: o for pr, o in zip(ps, outputs, strict=True)}
+        out[ds] = dict(tau=tau, drafts=d["drafts"], accepted=d["accepted"], acc=per_pos, outputs=ids)
     return out
 
 
@@ -488,10 +485,7 @@ def online_sglang(
     for ds, ps in prompts.items():
         res = _map(one, ps, concurrency)
         tokens, verify = sum(r["tokens"] for r in res), sum(r["verify"] for r in res)
-        out[ds] = {
-            "tau": tokens / verify if verify else float("nan"),
-            "completion_tokens": tokens,
-            "spec_verify_ct": verify,
-            "outputs": {pr.id: r["ids"] for pr, r in zip(ps, res, strict=True)},
-        }
+        ids = {pr.id: r["ids"] for pr, r in zip(ps, res, strict=True)}
+        tau = tokens / verify if verify else float("nan")
+        out[ds] = {"tau": tau, "completion_tokens": tokens, "spec_verify_ct": verify, "outputs": ids}
     return out

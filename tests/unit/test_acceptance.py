@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from eagle_lib import acceptance, params, store
+from eagle_lib import acceptance, params, specdec, store
 
 torch.set_num_threads(1)
 
@@ -95,3 +95,30 @@ def test_run_on_tiny_run_dir(tmp_path):
     assert meta["kept"] == 3 and meta["dropped"] == {"over_cap": 1}
     assert (run_dir / "eval" / "export" / "speculators" / "config.json").exists()
     assert len(store.read_jsonl(run_dir / "eval" / "generations.jsonl")) == 9
+
+
+def test_compare_online_flags_a_collapsed_server():
+    """Offline tau 2.5 on both datasets; the server accepts nothing on one: that row and 'all' are flagged."""
+    gens = [
+        {
+            "method": m,
+            "dataset": ds,
+            "id": f"{ds}0",
+            "accepted": acc,
+            "output_ids": [1, 2, 3],
+            "total_s": 1.0,
+            "lossless": True,
+        }
+        for ds in ("x", "y")
+        for m, acc in (("none", [0, 0]), ("eagle3", [2, 1]))
+    ]
+    tau, _, _ = specdec.tables(gens, 3, cost_ratio=0.1)
+    raw = {
+        "x": {"tau": 2.5, "drafts": 2, "accepted": 3, "outputs": {"x0": [1, 2, 3]}},
+        "y": {"tau": 1.0, "drafts": 8, "accepted": 0, "outputs": {"y0": [1, 2, 9]}},
+    }
+    on = acceptance.compare_online(raw, tau, gens, "vllm", 0.2).set_index("dataset")
+    assert on.loc["x", "verdict"] == "agree" and on.loc["y", "verdict"] == "collapsed"
+    assert any("EAGLE3" in c for c in on.loc["y", "causes"])
+    assert on.loc["all", "online_tau"] == pytest.approx(1 + 3 / 10) and on.loc["all", "verdict"] == "lower"
+    assert on.loc["all", "greedy_equal"] == 0.5 and on.loc["y", "greedy_equal"] == 0.0
