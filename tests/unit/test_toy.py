@@ -51,11 +51,11 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_world(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EAGLE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    root = toy.build(small_recipe(), log=lambda *a: None)
-    yield root, json.loads((root / "build_log.json").read_text())
-    mp.undo()
+    """A data-only world in its own cache; $EAGLE_CACHE is restored at once (tests that need it set it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        root = toy.build(small_recipe(), log=lambda *a: None)
+    return root, json.loads((root / "build_log.json").read_text())
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -261,8 +261,9 @@ def test_build_is_deterministic(tmp_path, monkeypatch):
     assert trees[0] == trees[1]
 
 
-def test_cache_hit_is_instant_and_layout(small_world):
+def test_cache_hit_is_instant_and_layout(small_world, monkeypatch):
     root, blog = small_world
+    monkeypatch.setenv("EAGLE_CACHE", str(root.parent))
     t = time.perf_counter()
     assert toy.build(small_recipe(), log=lambda *a: None) == root
     assert time.perf_counter() - t < 0.5
@@ -329,6 +330,7 @@ def test_concurrent_builds_build_once(tmp_path, monkeypatch):
 
 def test_resolve(small_world, monkeypatch):
     root, _ = small_world
+    monkeypatch.setenv("EAGLE_CACHE", str(root.parent))
     monkeypatch.setattr(world, "RECIPE", small_recipe())
     assert toy.resolve("/some/model") == "/some/model"
     assert toy.resolve("org/model") == "org/model"
