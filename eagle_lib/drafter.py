@@ -102,8 +102,11 @@ class Eagle3Config:
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low/mid/high decoder layers, 0-based (HF output_hidden_states index = layer id + 1)."""
-    if num_layers < 5:
-        raise ValueError(f"a target with {num_layers} layers is too shallow for EAGLE-3 aux layers")
+    if num_layers < 7:  # below 7 the default layers collide ([1, 2, 2] at 6); engines then capture too few
+        raise ValueError(
+            f"a target with {num_layers} layers is too shallow for the default EAGLE-3 aux layers "
+            "[1, L//2-1, L-4] (they would not be distinct); pass aux_layers explicitly"
+        )
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 

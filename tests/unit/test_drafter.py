@@ -183,6 +183,9 @@ def test_default_aux_layers_and_from_target_config():
 
     assert default_aux_layers(8) == [1, 3, 4]
     assert default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5
+    assert default_aux_layers(7) == [1, 2, 3]
+    with pytest.raises(ValueError, match="not be distinct"):
+        default_aux_layers(6)  # would be [1, 2, 2]
     kimi = DeepseekV3Config(
         hidden_size=7168,
         num_hidden_layers=61,

@@ -48,7 +48,7 @@ def target():
 @pytest.fixture(scope="module")
 def drafter(target):
     torch.manual_seed(1)
-    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=96)
+    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=96, aux_layers=[1, 2, 3])
     d = Eagle3Drafter(cfg)
     kept = torch.tensor(sorted(random.Random(0).sample(range(V), 96)))
     t2d = torch.zeros(V, dtype=torch.bool)
