@@ -128,5 +128,8 @@ def launch(nproc: int, argv: list[str]) -> None:
 
 
 def shutdown() -> None:
+    """Leave the process group together: a rank tearing gloo down while another still talks to it can abort
+    (std::terminate in gloo's threads, seen on a loaded 2-core CI box)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
