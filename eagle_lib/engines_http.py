@@ -12,6 +12,7 @@ from the target tokenizer (a different model) -> EngineError naming the server.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import queue
@@ -62,7 +63,7 @@ def _retry_after(resp: aiohttp.ClientResponse) -> float:
         return 0.0
 
 
-class HttpEngine:
+class HttpEngine(abc.ABC):
     """Shared machinery; subclasses define the endpoint, payload, reply parsing and the probe."""
 
     name = "http"
@@ -94,15 +95,17 @@ class HttpEngine:
         self.retries = 0  # total retried attempts of the last generate()
 
     # ---- subclass hooks -------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def payload(self, req: Request) -> dict:
-        raise NotImplementedError
+        """The JSON body of one generation request."""
 
+    @abc.abstractmethod
     def parse(self, req: Request, data) -> tuple[list[int], str]:
         """(output_ids, finish_reason) from a 200 reply; raise Rejected('malformed', ...) when it is not one."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def probe(self, session: aiohttp.ClientSession, url: str, tokenizer) -> dict:
-        raise NotImplementedError
+        """Health + model + tokenizer check of one server; raises EngineError naming it."""
 
     # ---- shared helpers -------------------------------------------------------------------------------------
     def _session(self, timeout_s: float | None = None) -> aiohttp.ClientSession:
