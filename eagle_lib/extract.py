@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import field_validator
 
-from eagle_lib import chat, formats, models, params, prepare, store
+from eagle_lib import formats, models, params, prepare, store
 
 
 class BSource(formats.Source):
@@ -188,15 +187,7 @@ def run_dataset(cfg: params.StageConfig, src: BSource, root: Path, tok: Any, ini
 
 def run(cfg: params.StageConfig) -> dict:
     """Run 02_extract_B: every B dataset -> data/B/<name>/prompts.jsonl; returns the stage meta."""
-    started = time.time()
-    tok = models.load_tokenizer(cfg.shared)
-    chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs)  # fail early on a template without a usable probe
-    root = cfg.out("data", "B")
-    root.mkdir(parents=True, exist_ok=True)
-    initargs = (models.resolve(cfg.shared.tokenizer_path), cfg.shared.trust_remote_code,
-                cfg.stage.chat_template_kwargs, cfg.stage)  # fmt: skip
-    metas = {src.name: run_dataset(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
-    return prepare.finish_stage(cfg, root, metas, started)
+    return prepare.run_stage(cfg, "B", run_dataset)
 
 
 def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 800) -> str:

@@ -321,17 +321,23 @@ def run_dataset(cfg: params.StageConfig, src: formats.Source, root: Path, tok: A
     return finish_dataset(out, extra, p.max_reject_fraction)
 
 
-def run(cfg: params.StageConfig) -> dict:
-    """Run 01_prepare_A: every A dataset -> data/A/<name>/records.jsonl; returns the stage meta."""
+def run_stage(cfg: params.StageConfig, part: str, run_one) -> dict:
+    """Shared body of 01 (part "A") and 02 (part "B"): load the tokenizer, check its template, run
+    `run_one(cfg, src, root, tok, initargs)` per dataset into data/<part>/, write the stage meta."""
     started = time.time()
     tok = models.load_tokenizer(cfg.shared)
     chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs)  # fail early on a template without a usable probe
-    root = cfg.out("data", "A")
+    root = cfg.out("data", part)
     root.mkdir(parents=True, exist_ok=True)
     initargs = (models.resolve(cfg.shared.tokenizer_path), cfg.shared.trust_remote_code,
                 cfg.stage.chat_template_kwargs, cfg.stage)  # fmt: skip
-    metas = {src.name: run_dataset(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
+    metas = {src.name: run_one(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
     return finish_stage(cfg, root, metas, started)
+
+
+def run(cfg: params.StageConfig) -> dict:
+    """Run 01_prepare_A: every A dataset -> data/A/<name>/records.jsonl; returns the stage meta."""
+    return run_stage(cfg, "A", run_dataset)
 
 
 def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 1500) -> str:
