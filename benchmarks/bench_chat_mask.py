@@ -1,4 +1,4 @@
-"""Benchmark: masked tokenization (eagle_lib.chat) vs the raw fast tokenizer vs per-turn prefix re-encoding.
+"""Benchmark: masked tokenization (eagle_lib.data.chat) vs the raw fast tokenizer vs per-turn prefix re-encoding.
 
 On 84-message SWE-agent-style conversations (the toy world's SWE generator), measured side by side in one run:
   - on the same rendered text: the raw fast tokenizer (ids only) vs masked tokenization (ChatEncoder.encode_text:
@@ -20,7 +20,8 @@ import time
 
 from transformers import AutoTokenizer
 
-from eagle_lib import chat, models
+from eagle_lib import models
+from eagle_lib.data import chat
 from eagle_lib.toy import swe
 
 

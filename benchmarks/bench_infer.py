@@ -21,7 +21,7 @@ import time
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.engines import EmbeddedEngine, Request, Sampling
+from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
 
 
 def load_prompts(path: str, n: int, tokenizer, seed: int = 0) -> list[Request]:

@@ -59,8 +59,8 @@ def worker_ours(t: int, k: int, iters: int, attention: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from eagle_lib.drafter import Eagle3Config, Eagle3Drafter
-    from eagle_lib.ttt import TTT
+    from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
+    from eagle_lib.drafter.ttt import TTT
 
     s = SHAPE
     aux, ids, doc, pos, last, kept = inputs(t)

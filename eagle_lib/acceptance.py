@@ -1,6 +1,6 @@
 """Stage 06_eval_acceptance: the drafter's acceptance length, measured losslessly per dataset, offline and online.
 
-Offline (:mod:`eagle_lib.specdec`): every held-out prompt is decoded greedily by the target with each method
+Offline (:mod:`eagle_lib.serving.specdec`): every held-out prompt is decoded greedily by the target with each method
 (``none`` = plain greedy, ``ngram`` = prompt lookup, ``eagle3`` = our drafter), k drafts per step verified by
 one target forward; every method's output must equal ``none``'s token for token (``lossless``).
 Per method and dataset: tau = mean(accepted + 1) per target step, per-position acceptance (unconditional
@@ -10,7 +10,7 @@ token, the drafter/target forward-cost ratio and the speedup it implies, tau / (
 Online: the same prompts against a server with the drafter loaded — vLLM (``/metrics`` counters: tau = 1 +
 accepted / drafts) or SGLang (``meta_info``: completion_tokens / spec_verify_ct, which also counts the
 prefill token, so it is set beside the offline tokens per step) — compared with the offline number and
-diagnosed (:func:`eagle_lib.preflight.diagnose`). Preflight checks the exported drafter before that.
+diagnosed (:func:`eagle_lib.serving.preflight.diagnose`). Preflight checks the exported drafter before that.
 
 Writes ``eval/``: tau.csv, positions.csv, accepted_hist.csv, generations.jsonl, online.json, preflight.json,
 plots, meta.json.
@@ -28,8 +28,9 @@ from typing import Literal
 import pandas as pd
 from pydantic import model_validator
 
-from eagle_lib import export, models, params, preflight, specdec, store
-from eagle_lib.specdec import Prompt, cost_ratio, tables
+from eagle_lib import models, params, store
+from eagle_lib.serving import export, preflight, specdec
+from eagle_lib.serving.specdec import Prompt, cost_ratio, tables
 
 Method = Literal["none", "ngram", "eagle3"]
 
@@ -241,7 +242,7 @@ def _online(
         return specdec.online_vllm(
             p.online_url.rstrip("/"), p.online_model, prompts, p.max_new_tokens, *vargs
         )
-    from eagle_lib.vllm_server import start_vllm
+    from eagle_lib.engines.vllm_server import start_vllm
 
     spec = {"method": "eagle3", "model": str(exports[p.online_format]), "num_speculative_tokens": p.num_steps}
     max_len = min(max_pos, p.max_prompt_tokens + p.max_new_tokens + 2 * p.num_steps + 8)
@@ -306,7 +307,7 @@ def headline(tau: pd.DataFrame, pf: list[dict], online: pd.DataFrame | None, p: 
 
 def _models(cfg: params.StageConfig, drafter_dir: Path):
     """(target or None, drafter or None, target text config dict): loaded only when decoding offline."""
-    from eagle_lib.drafter import load_drafter
+    from eagle_lib.drafter.model import load_drafter
 
     if not cfg.stage.offline:
         return None, None, preflight.target_text_config(cfg.shared.target, cfg.shared.trust_remote_code)
@@ -331,7 +332,7 @@ def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict)
 
 def _trained_aux(drafter_dir: Path) -> list[int] | None:
     """The aux layers in the trained drafter's own config (drafter_config.json), if there is one."""
-    from eagle_lib.drafter import CONFIG_FILE
+    from eagle_lib.drafter.model import CONFIG_FILE
 
     f = drafter_dir / CONFIG_FILE
     return json.loads(f.read_text())["config"]["aux_layers"] if f.exists() else None
@@ -339,7 +340,7 @@ def _trained_aux(drafter_dir: Path) -> list[int] | None:
 
 def run(cfg: params.StageConfig) -> Eval:
     """The whole stage: held-out prompts, exports + preflight, offline decoding, online check, files."""
-    from eagle_lib.drafter import load_drafter
+    from eagle_lib.drafter.model import load_drafter
 
     p, shared, started, out = cfg.stage, cfg.shared, time.time(), cfg.out("eval")
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Stage 02_extract_B: prompt-only (B) datasets -> prompts in the target's token space, for regeneration.
 
-Each B row is normalized (:mod:`eagle_lib.formats`), cut before the assistant turn to regenerate (the first or
+Each B row is normalized (:mod:`eagle_lib.data.formats`), cut before the assistant turn to regenerate (the first or
 the last one; a conversation ending on a user turn is, for `last`, a prompt as it stands), rendered with the target's
 chat template plus its generation prompt and tokenized: ``prompt_ids`` is exactly what stage 03 sends to the
 engine. Prompts are filtered (``n_prompt_tokens + max_new_tokens <= max_seq_len``), deduplicated (a hash of the
@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from pydantic import field_validator
 
-from eagle_lib import formats, models, params, prepare, store
+from eagle_lib import models, params, store
+from eagle_lib.data import formats, records
 
 
 class BSource(formats.Source):
@@ -59,12 +60,12 @@ class Params(params.Strict):
     chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
     batch_size: int = 64  # rows per worker task
 
-    _unique = field_validator("datasets")(prepare.unique_names)
+    _unique = field_validator("datasets")(records.unique_names)
 
 
 # the tally helpers are the same for both data stages (the notebook imports this module only)
 reasons_table, rejects_sample, tally_table, headline = (
-    prepare.reasons_table, prepare.rejects_sample, prepare.tally_table, prepare.headline
+    records.reasons_table, records.rejects_sample, records.tally_table, records.headline
 )  # fmt: skip
 
 
@@ -99,7 +100,7 @@ def prompt_key(messages: list[dict], tools: list) -> str:
 
 
 def _extract_one(conv: dict, src: BSource) -> tuple:
-    state = prepare.worker_state()
+    state = records.worker_state()
     p: Params = state["params"]
     if "input_ids" in conv:
         raise formats.Malformed("pre-tokenized rows have no messages to regenerate from")
@@ -116,7 +117,7 @@ def _extract_one(conv: dict, src: BSource) -> tuple:
 
 def _extract_batch(task: tuple[formats.Source, list]) -> list[tuple]:
     src, rows = task
-    return [prepare.guarded(src, where, row, err, lambda c: _extract_one(c, src)) for where, row, err in rows]
+    return [records.guarded(src, where, row, err, lambda c: _extract_one(c, src)) for where, row, err in rows]
 
 
 def sample_key(seed: int, rid: str) -> str:
@@ -127,7 +128,7 @@ def sample_key(seed: int, rid: str) -> str:
 class _Candidates:
     """Kept-so-far prompts (after filter and dedup) staged in a file until the cap's sample is known."""
 
-    def __init__(self, out: prepare.DatasetOutput, seed: int, dedup: bool):
+    def __init__(self, out: records.DatasetOutput, seed: int, dedup: bool):
         self.out, self.seed, self.dedup = out, seed, dedup
         self.path = out.tmp / "candidates.jsonl"
         self.seen: set[str] = set()
@@ -169,25 +170,25 @@ def run_dataset(cfg: params.StageConfig, src: BSource, root: Path, tok: Any, ini
     """Extract one B dataset into data/B/<name>/ (or reuse a complete identical earlier output)."""
     p: Params = cfg.stage
     stage_params = p.model_dump(mode="json", exclude={"datasets"}) | {"seed": cfg.shared.seed}
-    key = prepare.fingerprint(src, stage_params, tok)
-    if (meta := prepare.reusable(root, src.name, key)) is not None:
+    key = records.fingerprint(src, stage_params, tok)
+    if (meta := records.reusable(root, src.name, key)) is not None:
         return meta | {"reused": True}
-    out = prepare.DatasetOutput(root, src.name, "prompts.jsonl", key)
+    out = records.DatasetOutput(root, src.name, "prompts.jsonl", key)
     cands = _Candidates(out, cfg.shared.seed, p.dedup)
     n_workers = models.num_workers(cfg.shared.num_workers)
-    for results in prepare.parallel_map(
-        _extract_batch, prepare.batches(src, p.batch_size), n_workers, initargs
+    for results in records.parallel_map(
+        _extract_batch, records.batches(src, p.batch_size), n_workers, initargs
     ):
         for kind, payload in results:
             cands.add(kind, payload)
     _, tokens = cands.publish(src.max_prompts)
     extra = {"dataset": src.name, "source": src.model_dump(), "tokens": tokens, "params": stage_params}
-    return prepare.finish_dataset(out, extra, p.max_reject_fraction)
+    return records.finish_dataset(out, extra, p.max_reject_fraction)
 
 
 def run(cfg: params.StageConfig) -> dict:
     """Run 02_extract_B: every B dataset -> data/B/<name>/prompts.jsonl; returns the stage meta."""
-    return prepare.run_stage(cfg, "B", run_dataset)
+    return records.run_stage(cfg, "B", run_dataset)
 
 
 def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 800) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_lib import models, params, store
-from eagle_lib.engines import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling
+from eagle_lib.engines.embedded import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling
 
 
 class InferError(RuntimeError):
@@ -235,7 +235,7 @@ def make_engine(cfg: params.StageConfig, tokenizer):
             torch.set_num_threads(models.num_workers(shared.num_workers))
         model = models.load_target(shared, dtype=None if p.dtype == "auto" else getattr(torch, p.dtype))
         return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len)
-    from eagle_lib.engines_http import OpenAIEngine, SGLangEngine
+    from eagle_lib.engines.http import OpenAIEngine, SGLangEngine
 
     cls = {"sglang": SGLangEngine, "openai": OpenAIEngine}[p.engine]
     api_key = params.secret_from_env(p.api_key_env, "03_infer servers")

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eagle_lib.lengths_scan import Lengths, find_sources, iter_lines, scan_all
-from eagle_lib.lengths_scan import scan_dataset as scan_dataset  # the reader's API, re-exported here
-from eagle_lib.lengths_scan import scan_file as scan_file
-from eagle_lib.lengths_scan import scan_record as scan_record
-from eagle_lib.lengths_scan import scan_response as scan_response
+from eagle_lib.analysis.scan import Lengths, find_sources, iter_lines, scan_all
+from eagle_lib.analysis.scan import scan_dataset as scan_dataset  # the reader's API, re-exported here
+from eagle_lib.analysis.scan import scan_file as scan_file
+from eagle_lib.analysis.scan import scan_record as scan_record
+from eagle_lib.analysis.scan import scan_response as scan_response
 from eagle_lib.params import Strict
 from eagle_lib.store import check_tally, read_json, write_json
 
@@ -282,7 +282,7 @@ def _now() -> str:
 
 def run(cfg) -> LengthReport:
     """Stage 04: scan, tabulate, project, judge, plot; writes analysis/ (meta.json last). Inputs are read only."""
-    from eagle_lib.lengths_report import make_figures, verdicts
+    from eagle_lib.analysis.verdicts import make_figures, verdicts
 
     t0, started = time.time(), _now()
     p, run_dir = cfg.stage, Path(cfg.run_dir)

@@ -1,44 +1,34 @@
 """Stage 01_prepare_A: native (A) conversations -> token ids + assistant loss masks in the target's space.
 
-Each A source is read row by row (:mod:`eagle_lib.formats`), normalized, rendered with the target's chat
-template and tokenized with its loss mask in one pass (:mod:`eagle_lib.chat`) on all cores, truncated to
+Each A source is read row by row (:mod:`eagle_lib.data.formats`), normalized, rendered with the target's chat
+template and tokenized with its loss mask in one pass (:mod:`eagle_lib.data.chat`) on all cores, truncated to
 ``max_seq_len``, and written to ``data/A/<dataset>/records.jsonl`` (``rejects.jsonl`` for malformed rows,
 ``meta.json`` with read = kept + dropped + rejected). A dataset whose reject rate passes
 ``max_reject_fraction`` fails the stage after every dataset has been processed. A dataset whose complete
 output was made from the same source, params and tokenizer is reused.
 
 The machinery shared with stage 02 (parallel row mapping, per-dataset output with tally and rejects, the
-final tally table) lives here too.
+final tally table) lives in :mod:`eagle_lib.data.records`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import multiprocessing as mp
-import os
-import shutil
-import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import field_validator
 
-from eagle_lib import chat, formats, models, params, store
+from eagle_lib import models, params, store
+from eagle_lib.data import formats, records
+from eagle_lib.data.records import headline, reasons_table, rejects_sample, tally_table  # the report's tables
+
+__all__ = ["Params", "headline", "preview", "reasons_table", "rejects_sample", "run", "tally_table"]
 
 _TOY_A = [
     formats.Source(name="native_chat", path="toy://data/native_chat", adapter="openai"),
     formats.Source(name="native_tools", path="toy://data/native_tools", adapter="openai"),
 ]
-
-
-def unique_names(datasets: list) -> list:
-    """Dataset names name output directories: they must be unique."""
-    names = [d.name for d in datasets]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate dataset names: {sorted(n for n in set(names) if names.count(n) > 1)}")
-    return datasets
 
 
 class Params(params.Strict):
@@ -51,54 +41,14 @@ class Params(params.Strict):
     chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
     batch_size: int = 64  # rows per worker task
 
-    _unique = field_validator("datasets")(unique_names)
+    _unique = field_validator("datasets")(records.unique_names)
 
 
-class StageFailed(RuntimeError):
-    """A dataset failed a stage check (e.g. too many rejects); the message names dataset, numbers and files."""
-
-
-# ---------------------------------------------------------------- workers (shared with 02_extract_B)
-
-_WORKER: dict[str, Any] = {}
-
-
-def init_worker(
-    tokenizer_path: str, trust_remote_code: bool, template_kwargs: dict, stage_params: Any
-) -> None:
-    """Load the tokenizer once per worker process (and in-process when running single-worker)."""
-    from transformers import AutoTokenizer
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
-    _WORKER.update(encoder=chat.ChatEncoder(tok, template_kwargs), vocab_size=len(tok), params=stage_params)
-
-
-def worker_state() -> dict[str, Any]:
-    """The worker's encoder, vocab size and stage params (set by :func:`init_worker`)."""
-    return _WORKER
-
-
-def reject(where: dict, reason: str) -> tuple[str, dict]:
-    return "rejected", {**where, "reason": reason}
-
-
-def guarded(src: formats.Source, where: dict, row: dict | None, error: str | None, fn: Callable) -> tuple:
-    """Run ``fn(conversation)`` on one row: malformed rows and template failures become rejects with reasons."""
-    if error is not None:
-        return reject(where, error)
-    try:
-        return fn(formats.adapt(row, src, where))
-    except formats.Skip as s:
-        return "dropped", s.reason
-    except (formats.Malformed, chat.ChatError) as e:
-        return reject(where, str(e))
-    except Exception as e:  # an adapter tripping on data of an unforeseen shape: reject it, keep going
-        return reject(where, f"unexpected {type(e).__name__}: {e}")
+# ---------------------------------------------------------------- workers
 
 
 def _prepare_one(conv: dict) -> tuple:
-    state = worker_state()
+    state = records.worker_state()
     p: Params = state["params"]
     if "input_ids" in conv:
         ids, mask, method = conv["input_ids"], conv["loss_mask"], "pretokenized"
@@ -123,176 +73,7 @@ def _prepare_one(conv: dict) -> tuple:
 
 def _prepare_batch(task: tuple[formats.Source, list]) -> list[tuple]:
     src, rows = task
-    return [guarded(src, where, row, err, _prepare_one) for where, row, err in rows]
-
-
-def parallel_map(fn: Callable, tasks: Iterator, n_workers: int, initargs: tuple) -> Iterator:
-    """``fn`` over ``tasks`` in order on ``n_workers`` processes, with a bounded number of tasks in flight."""
-    if n_workers <= 1:
-        init_worker(*initargs)
-        yield from map(fn, tasks)
-        return
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(n_workers, initializer=init_worker, initargs=initargs) as pool:
-        pending: deque = deque()
-        for task in tasks:
-            pending.append(pool.apply_async(fn, (task,)))
-            if len(pending) >= 2 * n_workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def batches(src: formats.Source, size: int) -> Iterator[tuple[formats.Source, list]]:
-    """(source, rows) tasks of ``size`` rows each."""
-    buf: list = []
-    for item in formats.iter_rows(src):
-        buf.append(item)
-        if len(buf) >= size:
-            yield src, buf
-            buf = []
-    if buf:
-        yield src, buf
-
-
-# ---------------------------------------------------------------- per-dataset output
-
-
-def fingerprint(src: formats.Source, stage_params: dict, tokenizer: Any) -> str:
-    """Key of a dataset output: source (file size + mtime, or hub id), params and tokenizer (vocab + template)."""
-    path = formats.resolve_path(src.path)
-    p = Path(path)
-    stat = [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else [path]
-    tok = hashlib.sha256(
-        f"{len(tokenizer)}|{tokenizer.chat_template}|{tokenizer.name_or_path}".encode()
-    ).hexdigest()
-    return store.stable_hash(
-        {"source": src.model_dump(), "stat": stat, "params": stage_params, "tokenizer": tok}
-    )
-
-
-class DatasetOutput:
-    """Writes one dataset's records + rejects into a partial directory; publishes it with meta.json at the end."""
-
-    def __init__(self, root: Path, name: str, records_file: str, key: str):
-        # staged outside root, so that readers globbing root/*/records.jsonl never see a half-written dataset
-        self.final, self.tmp = root / name, root.parent / f".{root.name}.partial" / name
-        self.records_file, self.key = records_file, key
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        self.counts: Counter = Counter()
-        self.dropped: Counter = Counter()
-        self.reject_reasons: Counter = Counter()
-        self._buf: dict[str, list] = {records_file: [], "rejects.jsonl": []}
-        self.started = time.time()
-
-    def add(self, kind: str, payload: Any) -> None:
-        self.counts["read"] += 1
-        if kind == "kept":
-            self.counts["kept"] += 1
-            self._write(self.records_file, payload)
-        elif kind == "dropped":
-            self.dropped[payload] += 1
-        else:
-            self.counts["rejected"] += 1
-            self.reject_reasons[payload["reason"].split(":")[0][:60]] += 1
-            self._write("rejects.jsonl", payload)
-
-    def _write(self, fname: str, rec: dict) -> None:
-        self._buf[fname].append(rec)
-        if len(self._buf[fname]) >= 256:
-            self.flush()
-
-    def flush(self) -> None:
-        for fname, recs in self._buf.items():
-            store.append_jsonl(self.tmp / fname, recs)
-            recs.clear()
-
-    def publish(self, extra: dict) -> dict:
-        """Flush, write meta.json (tally checked) and move the directory into place."""
-        self.flush()
-        meta = {
-            "read": self.counts["read"],
-            "kept": self.counts["kept"],
-            "dropped": dict(self.dropped),
-            "rejected": self.counts["rejected"],
-            "reject_reasons": dict(self.reject_reasons),
-            "fingerprint": self.key,
-            "started": self.started,
-            "finished": time.time(),
-            "seconds": round(time.time() - self.started, 3),
-        } | extra
-        store.check_tally(meta, str(self.final / "meta.json"))
-        store.write_json(self.tmp / "meta.json", meta)
-        shutil.rmtree(self.final, ignore_errors=True)
-        os.replace(self.tmp, self.final)
-        try:
-            self.tmp.parent.rmdir()
-        except OSError:  # another dataset is still staged there
-            pass
-        return meta
-
-
-def reusable(root: Path, name: str, key: str) -> dict | None:
-    """The meta of a complete, passing earlier output made with the same fingerprint, else None."""
-    path = root / name / "meta.json"
-    if not path.exists():
-        return None
-    meta = store.read_json(path)
-    return meta if meta.get("fingerprint") == key and meta.get("status") == "ok" else None
-
-
-def finish_dataset(out: DatasetOutput, extra: dict, limit: float) -> dict:
-    """Publish a dataset; it fails (status "failed", message in "failure") if it rejected more than ``limit``."""
-    read, rejected = out.counts["read"], out.counts["rejected"]
-    extra = {"status": "ok"} | extra
-    if read and rejected / read > limit:
-        top = ", ".join(f"{r} x{n}" for r, n in out.reject_reasons.most_common(3))
-        extra["status"] = "failed"
-        extra["failure"] = (
-            f"dataset {out.final.name}: {rejected}/{read} rows rejected ({rejected / read:.1%} > "
-            f"max_reject_fraction {limit:.1%}); reasons: {top}; see {out.final / 'rejects.jsonl'}"
-        )
-    return out.publish(extra) | {"reused": False}
-
-
-def finish_stage(cfg: params.StageConfig, root: Path, metas: dict[str, dict], started: float) -> dict:
-    """Write the stage meta.json (sums over datasets); raise StageFailed naming every failed dataset."""
-    total = {"read": 0, "kept": 0, "rejected": 0, "dropped": Counter()}
-    for m in metas.values():
-        for k in ("read", "kept", "rejected"):
-            total[k] += m[k]
-        total["dropped"].update(m["dropped"])
-    failed = [m["failure"] for m in metas.values() if m.get("failure")]
-    meta = total | {
-        "dropped": dict(total["dropped"]),
-        "datasets": metas,
-        "params": cfg.stage.model_dump(mode="json"),
-        "shared": cfg.shared.model_dump(mode="json"),
-        "status": "failed" if failed else "ok",
-        "started": started,
-        "finished": time.time(),
-        "seconds": round(time.time() - started, 3),
-    }
-    store.check_tally(meta, str(root / "meta.json"))
-    store.write_json(root / "meta.json", meta)
-    if failed:
-        raise StageFailed(f"{cfg.name} failed:\n" + "\n".join(failed))
-    return meta
-
-
-def tally_table(meta: dict, item: str = "records"):
-    """The final tally: per dataset read / kept ``item`` / dropped / rejected (+ token sums), and a TOTAL row."""
-    import pandas as pd
-
-    rows = []
-    for name, m in meta["datasets"].items():
-        row = {"dataset": name, "read": m["read"], item: m["kept"], "dropped": sum(m["dropped"].values())}
-        row |= {"rejected": m["rejected"]} | {k: m[k] for k in ("tokens", "trainable_tokens") if k in m}
-        rows.append(row)
-    df = pd.DataFrame(rows)
-    total = df.drop(columns="dataset").sum(numeric_only=True)
-    return pd.concat([df, pd.DataFrame([{"dataset": "TOTAL", **total.to_dict()}])], ignore_index=True)
+    return [records.guarded(src, where, row, err, _prepare_one) for where, row, err in rows]
 
 
 # ---------------------------------------------------------------- the stage
@@ -301,14 +82,16 @@ def tally_table(meta: dict, item: str = "records"):
 def run_dataset(cfg: params.StageConfig, src: formats.Source, root: Path, tok: Any, initargs: tuple) -> dict:
     """Tokenize one A dataset into data/A/<name>/ (or reuse a complete identical earlier output)."""
     p: Params = cfg.stage
-    key = fingerprint(src, p.model_dump(mode="json", exclude={"datasets"}), tok)
-    if (meta := reusable(root, src.name, key)) is not None:
+    key = records.fingerprint(src, p.model_dump(mode="json", exclude={"datasets"}), tok)
+    if (meta := records.reusable(root, src.name, key)) is not None:
         return meta | {"reused": True}
-    out = DatasetOutput(root, src.name, "records.jsonl", key)
+    out = records.DatasetOutput(root, src.name, "records.jsonl", key)
     tokens = trainable = truncated = 0
     located: Counter = Counter()  # how turns were found: scan (one pass), prefix (fallback), pretokenized
     n_workers = models.num_workers(cfg.shared.num_workers)
-    for results in parallel_map(_prepare_batch, batches(src, p.batch_size), n_workers, initargs):
+    for results in records.parallel_map(
+        _prepare_batch, records.batches(src, p.batch_size), n_workers, initargs
+    ):
         for kind, payload in results:
             if kind == "kept":
                 tokens, trainable = tokens + payload["n_tokens"], trainable + payload["n_trainable"]
@@ -318,26 +101,12 @@ def run_dataset(cfg: params.StageConfig, src: formats.Source, root: Path, tok: A
     extra = {"dataset": src.name, "source": src.model_dump(), "tokens": tokens, "trainable_tokens": trainable}
     extra["turns_located_by"] = dict(located)
     extra |= {"truncated": truncated, "params": p.model_dump(mode="json", exclude={"datasets"})}
-    return finish_dataset(out, extra, p.max_reject_fraction)
-
-
-def run_stage(cfg: params.StageConfig, part: str, run_one) -> dict:
-    """Shared body of 01 (part "A") and 02 (part "B"): load the tokenizer, check its template, run
-    `run_one(cfg, src, root, tok, initargs)` per dataset into data/<part>/, write the stage meta."""
-    started = time.time()
-    tok = models.load_tokenizer(cfg.shared)
-    chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs)  # fail early on a template without a usable probe
-    root = cfg.out("data", part)
-    root.mkdir(parents=True, exist_ok=True)
-    initargs = (models.resolve(cfg.shared.tokenizer_path), cfg.shared.trust_remote_code,
-                cfg.stage.chat_template_kwargs, cfg.stage)  # fmt: skip
-    metas = {src.name: run_one(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
-    return finish_stage(cfg, root, metas, started)
+    return records.finish_dataset(out, extra, p.max_reject_fraction)
 
 
 def run(cfg: params.StageConfig) -> dict:
     """Run 01_prepare_A: every A dataset -> data/A/<name>/records.jsonl; returns the stage meta."""
-    return run_stage(cfg, "A", run_dataset)
+    return records.run_stage(cfg, "A", run_dataset)
 
 
 def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 1500) -> str:
@@ -352,46 +121,3 @@ def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 1500) -> str:
         prev = m
     text = "".join(out) + ("]]" if prev else "")
     return f"{rec['id']} ({rec['n_tokens']} tokens, {rec['n_trainable']} trained):\n" + text[:n_chars]
-
-
-def reasons_table(meta: dict):
-    """Every dropped and rejected row counted by dataset and reason."""
-    import pandas as pd
-
-    rows = [
-        {"dataset": name, "outcome": outcome, "reason": reason, "rows": n}
-        for name, m in meta["datasets"].items()
-        for outcome, reasons in (("dropped", m["dropped"]), ("rejected", m["reject_reasons"]))
-        for reason, n in reasons.items()
-    ]
-    return pd.DataFrame(rows, columns=["dataset", "outcome", "reason", "rows"])
-
-
-def rejects_sample(cfg: params.StageConfig, kind: str, per_dataset: int = 3):
-    """The first rejected rows of each dataset of data/<kind>/: file, line or row, reason."""
-    import pandas as pd
-
-    rows = []
-    for path in sorted(cfg.out("data", kind).glob("*/rejects.jsonl")):
-        for k, rec in enumerate(store.iter_jsonl(path)):
-            if k >= per_dataset:
-                break
-            at = f"line {rec['line']}" if "line" in rec else f"row {rec.get('row')}"
-            rows.append(
-                {"dataset": path.parent.name, "file": rec.get("file"), "at": at, "reason": rec.get("reason")}
-            )
-    return pd.DataFrame(rows)
-
-
-def headline(meta: dict) -> dict:
-    """The stage's headline numbers for report.record."""
-    sets = meta["datasets"].values()
-    out = {k: meta[k] for k in ("read", "kept", "rejected")} | {"dropped": sum(meta["dropped"].values())}
-    out["tokens"] = sum(m.get("tokens", 0) for m in sets)
-    if any("trainable_tokens" in m for m in sets):
-        out["trainable_tokens"] = sum(m.get("trainable_tokens", 0) for m in sets)
-    out["seconds"] = meta["seconds"]
-    out["datasets"] = {
-        n: {k: m[k] for k in ("read", "kept", "rejected")} for n, m in meta["datasets"].items()
-    }
-    return out

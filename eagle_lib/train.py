@@ -2,12 +2,12 @@
 
 Writes ``run_dir/drafter/``: ``vocab/`` (cached draft-vocab maps), ``checkpoints/<fingerprint>/step_NNNNNNN/``
 (drafter safetensors + ``trainer.pt`` with optimizer, scheduler and log history; ``COMPLETE`` written last),
-``train_log.jsonl`` (one line per optimizer step), ``final/`` (`eagle_lib.drafter.load_drafter` reads it;
+``train_log.jsonl`` (one line per optimizer step), ``final/`` (`eagle_lib.drafter.model.load_drafter` reads it;
 ``summary.json`` beside the weights), ``summary.json`` and ``meta.json``.
 
 A rerun with ``resume: true`` continues from the newest complete checkpoint of the same settings; the data
 order is a pure function of (seed, step), so the resumed loss curve equals an uninterrupted one.
-``nproc_per_node > 1`` relaunches this module under torchrun (DDP or FSDP, `eagle_lib.distributed`).
+``nproc_per_node > 1`` relaunches this module under torchrun (DDP or FSDP, `eagle_lib.drafter.distributed`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib import batches, checkpoints, distributed, models, params, store, ttt, vocab
-from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, init_from_target, save_state
+from eagle_lib import models, params, store
+from eagle_lib.drafter import batches, checkpoints, distributed, ttt, vocab
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_state
 
 STAGE = "05_train_eagle3"
 # settings that do not change the trained weights (may differ on resume)
@@ -120,12 +121,12 @@ def _source(cfg, device, hf_config):
     if p.hidden_source == "online":
         target = models.load_target(cfg.shared, device=str(device))
         aux = p.aux_layers or Eagle3Config.from_target_config(hf_config, 1).aux_layers
-        from eagle_lib.hidden import OnlineHidden
+        from eagle_lib.drafter.hidden import OnlineHidden
 
         emb = target.get_input_embeddings().weight
         return OnlineHidden(target, aux), emb, target.get_output_embeddings().weight, None
     if p.hidden_source == "offline":
-        from eagle_lib import hidden
+        from eagle_lib.drafter import hidden
 
         if not p.hidden_dump_dir:
             raise params.ParamsError(f"{STAGE}: hidden_source offline needs hidden_dump_dir")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create the separate vLLM (CPU) virtual environment used by the server tests and eagle_lib.vllm_server.
+# Create the separate vLLM (CPU) virtual environment used by the server tests and eagle_lib.engines.vllm_server.
 #
 #   bash scripts/install_vllm_cpu.sh            # idempotent: does nothing when .venv-vllm already works
 #   VLLM_VENV=/path PYTHON=python3.11 bash scripts/install_vllm_cpu.sh

@@ -7,9 +7,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from eagle_lib import report, store
-from eagle_lib.drafter import load_drafter
+from eagle_lib.drafter.model import load_drafter
+from eagle_lib.drafter.vocab import check_vocab_map
 from eagle_lib.models import resolve
-from eagle_lib.vocab import check_vocab_map
 
 SGLANG_KEYS = {
     "fc.weight",

@@ -8,7 +8,7 @@ io_struct.GenerateReqInput):
                   {"type": "stop", "matched": id} | {"type": "length", "length": n}, "prompt_tokens",
                   "completion_tokens", "e2e_latency"}}   (output_ids keep the matched stop token, as SGLang's do)
   GET /health, GET /get_model_info {"model_path", ...}, POST /tokenize {"prompt"} -> {"tokens", "count"}
-Tokens come from a real model (greedy/sampled through eagle_lib.engines.EmbeddedEngine, one request at a time).
+Tokens come from a real model (greedy/sampled through eagle_lib.engines.embedded.EmbeddedEngine, one request at a time).
 
 Faults are planned per prompt (key = `prompt_key(input_ids)`): a list of actions consumed one per request,
 then "ok"; optionally a random rate of transient faults. Actions: ok, 500, 502, 503, 429, 400, 404,
@@ -84,7 +84,7 @@ class StandIn:
         return act
 
     def run_model(self, ids: list[int], sp: dict, seed: int) -> tuple[list[int], str]:
-        from eagle_lib.engines import EmbeddedEngine, Request, Sampling
+        from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
 
         s = Sampling(
             float(sp.get("temperature", 1.0)),

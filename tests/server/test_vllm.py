@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from eagle_lib import infer, models, params, store
-from eagle_lib.engines import EngineError, Sampling
-from eagle_lib.engines_http import OpenAIEngine
-from eagle_lib.vllm_server import start_vllm, vllm_python
+from eagle_lib.engines.embedded import EngineError, Sampling
+from eagle_lib.engines.http import OpenAIEngine
+from eagle_lib.engines.vllm_server import start_vllm, vllm_python
 from tests.server.tiny import SPECIALS, build_tokenizer, make_prompts
 
 pytestmark = pytest.mark.server

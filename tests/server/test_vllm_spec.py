@@ -13,8 +13,9 @@ import random
 import pytest
 import torch
 
-from eagle_lib import acceptance, export, specdec
-from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, init_from_target
+from eagle_lib import acceptance
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
+from eagle_lib.serving import export, specdec
 from tests.server.tiny import build_world
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -96,7 +97,7 @@ def world(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["speculators", "sglang"])
 def test_vllm_tau_agrees_with_offline(world, fmt):
-    from eagle_lib.vllm_server import start_vllm
+    from eagle_lib.engines.vllm_server import start_vllm
 
     offline = world["offline"]
     accepted = sum(sum(g.accepted) for g in offline)

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from eagle_lib import acceptance, params, specdec, store
+from eagle_lib import acceptance, params, store
+from eagle_lib.serving import specdec
 
 torch.set_num_threads(1)
 
@@ -56,7 +57,7 @@ def test_malformed_record_names_file_and_record(tmp_path):
 def test_run_on_tiny_run_dir(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, init_from_target, save_drafter
+    from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_drafter
     from tests.server.tiny import build_world
 
     world = build_world(tmp_path / "world", layers=8)

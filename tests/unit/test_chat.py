@@ -1,4 +1,4 @@
-"""eagle_lib.chat: the one-pass mask equals a slow prefix-by-prefix reference, on two templates, token for token.
+"""eagle_lib.data.chat: the one-pass mask equals a slow prefix-by-prefix reference, on two templates, token for token.
 
 References used here are independent of the module under test:
 - `reference_mask`: renders the conversation prefix by prefix (the obvious method), locates each assistant turn
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from eagle_lib import chat, formats
+from eagle_lib.data import chat, formats
 from eagle_lib.toy import datasets as toy_data
 from eagle_lib.toy import tokenizer as toy_tok
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle_lib import store, train
-from eagle_lib.drafter import load_drafter
+from eagle_lib.drafter.model import load_drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 import eagle_tiny  # noqa: E402

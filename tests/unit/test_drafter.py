@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from eagle_lib.drafter import (
+from eagle_lib.drafter.model import (
     DraftCache,
     Eagle3Config,
     Eagle3Drafter,

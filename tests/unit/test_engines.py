@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_lib.engines import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling, _pick_tokens
-from eagle_lib.engines_http import OpenAIEngine, SGLangEngine
+from eagle_lib.engines.embedded import (
+    EmbeddedEngine,
+    EngineError,
+    Failure,
+    Request,
+    Result,
+    Sampling,
+    _pick_tokens,
+)
+from eagle_lib.engines.http import OpenAIEngine, SGLangEngine
 from tests.server.sglang_standin import Faults, ServerThread, StandIn, prompt_key
 from tests.server.tiny import SPECIALS, build_tokenizer, build_world, make_prompts
 

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from eagle_lib import export
-from eagle_lib.drafter import Eagle3Config, Eagle3Drafter
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
+from eagle_lib.serving import export
 
 torch.set_num_threads(1)
 V, N = 160, 96

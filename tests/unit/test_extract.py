@@ -149,7 +149,7 @@ def test_pretokenized_b_source_is_rejected(world, tmp_path):
     path = tmp_path / "pre.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
     src = extract.BSource(name="pre", path=str(path), adapter="pretokenized")
-    with pytest.raises(extract.prepare.StageFailed, match="1/1 rows rejected"):
+    with pytest.raises(extract.records.StageFailed, match="1/1 rows rejected"):
         extract.run(make_cfg(world, tmp_path, [src]))
     rej = store.read_jsonl(tmp_path / "data" / "B" / "pre" / "rejects.jsonl")
     assert "no messages to regenerate" in rej[0]["reason"]

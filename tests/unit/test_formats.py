@@ -1,4 +1,4 @@
-"""eagle_lib.formats: each public schema -> the normalized conversation, with the schemas' real quirks.
+"""eagle_lib.data.formats: each public schema -> the normalized conversation, with the schemas' real quirks.
 
 Records here are written by hand in the published schemas (field names as on the hub), so the adapters are
 checked against the schemas, not against the toy generator; the toy files are checked separately for counts.
@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle_lib import formats
+from eagle_lib.data import formats
 from eagle_lib.toy import datasets as toy_data
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle_lib import hidden
-from eagle_lib.batches import Sequence, make_batch
+from eagle_lib.drafter import hidden
+from eagle_lib.drafter.batches import Sequence, make_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import eagle_tiny  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from eagle_lib import infer, params, store
-from eagle_lib.engines import EmbeddedEngine, Request, Sampling
+from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
 from eagle_lib.pipeline import REPO_ROOT
 from tests.server.sglang_standin import Faults, ServerThread, StandIn, prompt_key
 from tests.server.tiny import build_world, make_prompts

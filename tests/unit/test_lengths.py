@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle_lib import lengths, lengths_scan, params, store
+from eagle_lib import lengths, params, store
+from eagle_lib.analysis import scan as lengths_scan
+from eagle_lib.analysis.scan import Lengths
 from eagle_lib.lengths import Params
-from eagle_lib.lengths_scan import Lengths
 
 THINK = 163607
 TOK = str(THINK).encode()
@@ -304,7 +305,7 @@ def _check_row(**over):
     ],
 )
 def test_each_check_fires_on_its_threshold_and_names_its_numbers(over, peers, check, numbers):
-    from eagle_lib.lengths_report import _dataset_checks
+    from eagle_lib.analysis.verdicts import _dataset_checks
 
     failed = [c for c in _dataset_checks(pd.Series(_check_row(**over)), peers, Params()) if c[3]]
     assert [c[0] for c in failed] == ([check] if check else [])
@@ -313,7 +314,7 @@ def test_each_check_fires_on_its_threshold_and_names_its_numbers(over, peers, ch
 
 
 def test_limit_mismatch_and_no_think_token_are_reported():
-    from eagle_lib.lengths_report import verdicts
+    from eagle_lib.analysis.verdicts import verdicts
 
     ls = Lengths("B", "d")
     ls.add(3, 100, 0, 0, 0)

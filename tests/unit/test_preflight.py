@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_lib import export, preflight
+from eagle_lib.serving import export, preflight
 from tests.unit.test_export import V, make_drafter
 
 TARGET = {"hidden_size": 64, "num_hidden_layers": 10, "vocab_size": V, "max_position_embeddings": 4096}

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from eagle_lib import formats, params, prepare, store
+from eagle_lib import params, prepare, store
+from eagle_lib.data import formats, records
 from eagle_lib.toy import datasets as toy_data
 from eagle_lib.toy import tokenizer as toy_tok
 
@@ -116,7 +117,7 @@ def test_truncation_is_counted(world, tmp_path):
 
 
 def test_reject_threshold_fails_the_stage_clearly_and_keeps_the_data(world, tmp_path):
-    with pytest.raises(prepare.StageFailed) as err:
+    with pytest.raises(records.StageFailed) as err:
         prepare.run(make_cfg(world, tmp_path, max_reject_fraction=0.01))
     msg = str(err.value)
     assert f"dataset native_chat: {N_BAD}/{N_ROWS} rows rejected" in msg and "native_tools" in msg

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle_lib import specdec
-from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.specdec import (
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
+from eagle_lib.serving import specdec
+from eagle_lib.serving.specdec import (
     EagleProposer,
     NgramProposer,
     NoProposer,

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle_lib import batches, store, train, ttt
-from eagle_lib.drafter import Eagle3Config, Eagle3Drafter, load_drafter
+from eagle_lib import store, train
+from eagle_lib.drafter import batches, ttt
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, load_drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 import eagle_tiny  # noqa: E402

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_lib import vocab
+from eagle_lib.drafter import vocab
 
 
 def random_data(seed=0, n=40, v=50):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib import distributed
-from eagle_lib.drafter import save_state
+from eagle_lib.drafter import distributed
+from eagle_lib.drafter.model import save_state
 
 
 def drafter_state(model_state: dict) -> dict:

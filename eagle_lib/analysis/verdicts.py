@@ -17,8 +17,8 @@ import pandas as pd
 import seaborn as sns
 
 if TYPE_CHECKING:
+    from eagle_lib.analysis.scan import Lengths
     from eagle_lib.lengths import Params
-    from eagle_lib.lengths_scan import Lengths
 
 POINTS = 512  # quantiles drawn per ECDF curve
 

@@ -74,11 +74,11 @@ def acc_table(summary: dict) -> pd.DataFrame:
 
 
 def export(cfg) -> pd.DataFrame:
-    """Write drafter/export/{sglang,speculators} from final/ with eagle_lib.export; table of the paths."""
+    """Write drafter/export/{sglang,speculators} from final/ with eagle_lib.serving.export; table of the paths."""
     from transformers import AutoConfig
 
-    from eagle_lib import export as exporter
-    from eagle_lib.drafter import load_drafter
+    from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import export as exporter
 
     p = cfg.stage
     model = load_drafter(_drafter_dir(cfg) / "final")

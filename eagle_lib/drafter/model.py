@@ -204,7 +204,7 @@ class Eagle3Drafter(nn.Module):
 
     # --- vocab -------------------------------------------------------------------------------------
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a draft->target map (see eagle_lib.vocab)."""
+        """Install a draft->target map (see eagle_lib.drafter.vocab)."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ValueError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not fit the drafter")
         self.d2t.copy_(d2t)
@@ -218,11 +218,11 @@ class Eagle3Drafter(nn.Module):
         """Map draft-vocab ids (any shape) to target ids."""
         return ids + self.d2t[ids]
 
-    # --- pieces shared by inference (forward) and training (eagle_lib.ttt) -------------------------
+    # --- pieces shared by inference (forward) and training (eagle_lib.drafter.ttt) -------------------------
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """fc: (B, T, 3H_t) concatenated aux-layer features -> (B, T, H)."""
         if aux_hidden.shape[-1] != self.fc.in_features:
-            from eagle_lib.hidden import width_error
+            from eagle_lib.drafter.hidden import width_error
 
             raise ValueError(
                 width_error(aux_hidden.shape[-1], self.config.target_hidden_size, "Eagle3Drafter")

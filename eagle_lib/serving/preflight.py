@@ -5,7 +5,7 @@ vLLM with method ``eagle``, an fc that reads one layer instead of three, a vocab
 aux layer ids outside the target (or in the other engine's convention), vLLM's default
 ``norm_before_residual: true`` applied to a drafter trained without it. Prints the exact launch commands.
 
-    python -m eagle_lib.preflight DRAFTER_DIR --target TARGET [--sglang-cmd "..."] [--vllm-spec JSON]
+    python -m eagle_lib.serving.preflight DRAFTER_DIR --target TARGET [--sglang-cmd "..."] [--vllm-spec JSON]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib import export
-from eagle_lib.drafter import Eagle3Config, default_aux_layers
+from eagle_lib.drafter.model import Eagle3Config, default_aux_layers
+from eagle_lib.serving import export
 
 VLLM_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vLLM 0.32 CPU attention backend
 
@@ -395,7 +395,9 @@ def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m eagle_lib.preflight", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_lib.serving.preflight", description=__doc__.split("\n")[0]
+    )
     p.add_argument("drafter_dir", help="an export directory (sglang or speculators format)")
     p.add_argument("--target", required=True, help="target model dir, hub id, or its config.json")
     p.add_argument("--sglang-cmd", default="", help="the intended SGLang launch command line")

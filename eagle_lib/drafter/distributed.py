@@ -1,7 +1,7 @@
 """Multi-process training: torchrun environment, DDP / FSDP wrapping, full (portable) state dicts.
 
 Under ``torchrun --nproc_per_node N`` each process trains on its share of every optimizer step's
-micro-batches (see `eagle_lib.batches.BatchStream`); gradients are averaged across processes, so the run
+micro-batches (see `eagle_lib.drafter.batches.BatchStream`); gradients are averaged across processes, so the run
 matches a single process with ``grad_accum * N`` micro-batches. gloo on CPU, nccl on GPU. Checkpoints hold
 full, unsharded state dicts keyed by parameter name, so a run resumes under any world size.
 """

@@ -1,6 +1,6 @@
 """Target hidden states for training, from two sources behind one interface.
 
-A source is called on a `eagle_lib.batches.Batch` and returns ``(aux, logits)``: ``aux`` (B, T, 3H_t) the
+A source is called on a `eagle_lib.drafter.batches.Batch` and returns ``(aux, logits)``: ``aux`` (B, T, 3H_t) the
 concatenated outputs of the target's aux decoder layers at every position, ``logits`` (B, T, V) the target's
 next-token logits there.
 

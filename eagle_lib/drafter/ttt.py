@@ -1,7 +1,7 @@
 """Training-time test (TTT): the EAGLE-3 unroll, its loss and its acceptance metrics.
 
 Step ``i`` (0-based) at row index ``t`` simulates draft step ``i`` after a prefix ending at position ``t``
-(see `eagle_lib.drafter` for the inference alignment):
+(see `eagle_lib.drafter.model` for the inference alignment):
 
 * input token ``x[t+1+i]`` (the true token; the chain only continues when the drafts were right),
   position ``t + i``, hidden = ``fc(f_t)`` at step 0, else the step ``i-1`` output hidden at ``t``;
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lib.drafter import Eagle3Drafter
+from eagle_lib.drafter.model import Eagle3Drafter
 
 # (steps k, per-step loss decay) of the public trainers
 PRESETS = {"eagle": (7, 0.8), "specforge": (7, 0.8), "speculators": (3, 1.0), "modelopt": (3, 0.9)}

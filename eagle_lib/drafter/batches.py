@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import store
-from eagle_lib.hidden import seq_key
+from eagle_lib.drafter.hidden import seq_key
 
 
 @dataclass

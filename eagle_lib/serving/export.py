@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib.drafter import Eagle3Config, Eagle3Drafter
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3DraftModel"  # speculators 0.9.0; vLLM maps any eagle3 speculator to its own class

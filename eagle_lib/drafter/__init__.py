@@ -1,0 +1,1 @@
+"""Drafter wing: the EAGLE-3 model, vocab map, TTT loss, hidden-state sources, batches, checkpoints, distributed, figures."""

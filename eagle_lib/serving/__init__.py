@@ -1,0 +1,1 @@
+"""Serving wing: export (SGLang + vLLM formats), preflight, offline speculative decoding, online measurement."""
