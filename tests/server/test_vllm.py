@@ -18,7 +18,7 @@ from eagle_lib import infer, models, params, store
 from eagle_lib.engines.embedded import EngineError, Sampling
 from eagle_lib.engines.http import OpenAIEngine
 from eagle_lib.engines.vllm_server import start_vllm, vllm_python
-from tests.server.tiny import SPECIALS, build_tokenizer, make_prompts
+from tests.support.tiny import SPECIALS, build_tokenizer, make_prompts
 
 pytestmark = pytest.mark.server
 NEAR_TIE = 1e-2

@@ -1,6 +1,6 @@
 """Online check: vLLM (CPU) serving our exported drafter accepts what our offline decoder accepts.
 
-A tiny random target (tests.server.tiny, 8 layers so the three aux layers are distinct) and a drafter
+A tiny random target (tests.support.tiny, 8 layers so the three aux layers are distinct) and a drafter
 distilled for a few seconds on the target's own greedy continuations (acceptance clearly above 1). Both
 export formats are served by vLLM with ``--speculative-config '{"method": "eagle3", ...}'``; the server's tau
 (from /metrics) must agree with the offline tau within TOLERANCE and its greedy output must equal the
@@ -16,7 +16,7 @@ import torch
 from eagle_lib import acceptance
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.serving import export, specdec
-from tests.server.tiny import build_world
+from tests.support.tiny import build_world
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

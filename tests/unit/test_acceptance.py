@@ -58,7 +58,7 @@ def test_run_on_tiny_run_dir(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_drafter
-    from tests.server.tiny import build_world
+    from tests.support.tiny import build_world
 
     world = build_world(tmp_path / "world", layers=8)
     target = AutoModelForCausalLM.from_pretrained(world)

@@ -5,7 +5,6 @@ different order: gradient all-reduce vs accumulation).
 """
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,7 @@ import torch
 
 from eagle_lib import store, train
 from eagle_lib.drafter.model import load_drafter
-
-sys.path.insert(0, str(Path(__file__).parent))
-import eagle_tiny  # noqa: E402
+from tests.support import eagle_tiny
 
 
 @pytest.fixture(scope="module")

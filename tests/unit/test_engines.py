@@ -19,8 +19,9 @@ from eagle_lib.engines.embedded import (
     _pick_tokens,
 )
 from eagle_lib.engines.http import OpenAIEngine, SGLangEngine
-from tests.server.sglang_standin import Faults, ServerThread, StandIn, prompt_key
-from tests.server.tiny import SPECIALS, build_tokenizer, build_world, make_prompts
+from tests.support import models as tiny_models
+from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
+from tests.support.tiny import SPECIALS, build_tokenizer, build_world, make_prompts
 
 torch.set_num_threads(1)
 
@@ -176,10 +177,8 @@ def test_top_p_sampling_matches_the_nucleus_distribution():
 def test_check_rejects_a_model_smaller_than_the_tokenizer(world, tmp_path):
     _, tok, model = world
     assert EmbeddedEngine(model, Sampling()).check(tok)["model_vocab"] >= len(tok)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    small = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=1, head_dim=32))  # fmt: skip
+    small = tiny_models.llama(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=1)  # fmt: skip
     with pytest.raises(EngineError, match="vocabulary"):
         EmbeddedEngine(small, Sampling()).check(tok)
 

@@ -1,18 +1,16 @@
 """Export: engine key names and configs, and both formats reload into a drafter with identical logits."""
 
 import json
-import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig
 
-from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
 from eagle_lib.serving import export
+from tests.support import models as tiny
 
 torch.set_num_threads(1)
-V, N = 160, 96
+V, N = tiny.EXPORT_VOCAB, tiny.EXPORT_DRAFT_VOCAB
 
 SGLANG_KEYS = {
     "fc.weight",
@@ -27,27 +25,7 @@ SGLANG_KEYS = {
 
 
 def make_drafter(n_draft=N, seed=0):
-    torch.manual_seed(seed)
-    tcfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=10,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        rope_theta=5e4,
-    )
-    d = Eagle3Drafter(Eagle3Config.from_target_config(tcfg, draft_vocab_size=n_draft))
-    with torch.no_grad():
-        for p in d.parameters():  # norms away from 1 so a swapped norm would show
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    if n_draft < V:
-        kept = torch.tensor(sorted(random.Random(seed).sample(range(V), n_draft)))
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[kept] = True
-        d.set_vocab_map(kept - torch.arange(n_draft), t2d)
-    return d.eval()
+    return tiny.export_drafter(n_draft, seed)
 
 
 def logits_of(d, seed=1):

@@ -1,7 +1,5 @@
 """Hidden-state sources: online hooks vs output_hidden_states, packing, offline dumps and width errors."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,9 +7,7 @@ from safetensors.torch import save_file
 
 from eagle_lib.drafter import hidden
 from eagle_lib.drafter.batches import Sequence, make_batch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import eagle_tiny  # noqa: E402
+from tests.support import eagle_tiny
 
 torch.set_num_threads(1)
 AUX = [1, 3, 4]

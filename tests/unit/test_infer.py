@@ -19,8 +19,8 @@ import yaml
 from eagle_lib import infer, params, store
 from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
 from eagle_lib.pipeline import REPO_ROOT
-from tests.server.sglang_standin import Faults, ServerThread, StandIn, prompt_key
-from tests.server.tiny import build_world, make_prompts
+from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
+from tests.support.tiny import build_world, make_prompts
 
 torch.set_num_threads(1)
 STOP = 164  # a byte token the tiny random model emits often: some answers stop, some hit the length limit

@@ -7,7 +7,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_lib.serving import export, preflight
-from tests.unit.test_export import V, make_drafter
+from tests.support import models as tiny
+
+V = tiny.EXPORT_VOCAB
+make_drafter = tiny.export_drafter
 
 TARGET = {"hidden_size": 64, "num_hidden_layers": 10, "vocab_size": V, "max_position_embeddings": 4096}
 

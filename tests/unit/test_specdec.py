@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.serving import specdec
@@ -23,6 +22,7 @@ from eagle_lib.serving.specdec import (
     TargetRunner,
     speculative_generate,
 )
+from tests.support import models as tiny
 
 torch.set_num_threads(1)
 V = 128
@@ -30,19 +30,7 @@ V = 128
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return tiny.llama(0, torch.float64, vocab_size=V, num_hidden_layers=6, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

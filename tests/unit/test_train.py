@@ -2,7 +2,6 @@
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,7 @@ import torch.nn.functional as F
 from eagle_lib import store, train
 from eagle_lib.drafter import batches, ttt
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, load_drafter
-
-sys.path.insert(0, str(Path(__file__).parent))
-import eagle_tiny  # noqa: E402
+from tests.support import eagle_tiny
 
 torch.set_num_threads(1)
 V, H, HT = 40, 32, 24

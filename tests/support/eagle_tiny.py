@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import params, store
+from tests.support import models as tiny
 
 VOCAB = 96
 LAYERS = 8
@@ -16,25 +17,14 @@ LAYERS = 8
 def make_target(root: Path, seed: int = 0) -> Path:
     """A random LlamaForCausalLM (8 layers, hidden 64, head_dim 32) with a tokenizer, saved to root/target."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out = root / "target"
     if (out / "config.json").exists():
         return out
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a peaked next-token distribution, so there is something to learn
-        model.lm_head.weight.mul_(8.0)
+    model = tiny.llama(
+        seed, lm_head_scale=8.0, num_hidden_layers=LAYERS, vocab_size=VOCAB
+    )  # peaked: learnable
     model.save_pretrained(out)
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))

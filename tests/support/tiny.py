@@ -39,8 +39,9 @@ def build_tokenizer(out_dir: Path, specials: list[str] | None = None):
 
 def build_world(out_dir: str | Path, seed: int = 0, layers: int = 2, vocab_pad: int = 8) -> Path:
     """Write tokenizer + random LlamaForCausalLM (fp32 safetensors) into one dir; returns it. Idempotent."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
+
+    from tests.support import models
 
     out = Path(out_dir)
     if (out / "model.safetensors").exists():
@@ -52,24 +53,10 @@ def build_world(out_dir: str | Path, seed: int = 0, layers: int = 2, vocab_pad: 
         (n + vocab_pad - 1) // vocab_pad * vocab_pad
     )  # model vocab padded past the tokenizer's, like Kimi
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger logits than the default init: fewer near-ties, sharper greedy paths
-        model.lm_head.weight.mul_(8.0)
+    # larger logits than the default init: fewer near-ties, sharper greedy paths
+    model = models.llama(seed, lm_head_scale=8.0, vocab_size=vocab_size, num_hidden_layers=layers,
+                         eos_token_id=eos, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                         tie_word_embeddings=False)  # fmt: skip
     model.generation_config = GenerationConfig(eos_token_id=[eos], pad_token_id=tok.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tiny_world.json").write_text(json.dumps({"seed": seed, "layers": layers, "eos": eos}))

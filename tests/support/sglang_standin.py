@@ -15,7 +15,7 @@ then "ok"; optionally a random rate of transient faults. Actions: ok, 500, 502, 
 malformed (200, not JSON), bad_schema (200, no output_ids), out_of_vocab, abort, reset (connection closed),
 timeout (answer after `timeout_sleep_s`).
 
-Run standalone:  python -m tests.server.sglang_standin --model DIR --port P [--faults JSON] [--tokenizer DIR]
+Run standalone:  python -m tests.support.sglang_standin --model DIR --port P [--faults JSON] [--tokenizer DIR]
 """
 
 from __future__ import annotations

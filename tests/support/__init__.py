@@ -1,0 +1,1 @@
+"""Shared test support (not test modules): tiny models and worlds, the SGLang stand-in server, drafter factories."""
