@@ -41,7 +41,7 @@ class Params(params.Strict):
     max_prompts_per_dataset: int = 8  # held-out prompts decoded per dataset
     max_prompt_tokens: int = 768  # longer prompts are skipped (counted as dropped 'too_long')
     a_prompt: Literal["last_turn", "first_turn"] = "last_turn"  # A records: prompt before this assistant turn
-    max_new_tokens: int = 64  # tokens generated per prompt
+    eval_max_new_tokens: int = 64  # tokens generated per held-out prompt while measuring tau
     num_steps: int = 3  # drafts per step (SGLang --speculative-num-steps, vLLM num_speculative_tokens)
     topk: int = 1  # draft tree width in the launch commands; offline decoding is a chain (topk 1)
     num_draft_tokens: int = 4  # SGLang --speculative-num-draft-tokens (num_steps + 1 for topk 1)
@@ -65,8 +65,8 @@ class Params(params.Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if min(self.num_steps, self.topk, self.max_new_tokens, self.max_prompts_per_dataset) < 1:
-            raise ValueError("num_steps, topk, max_new_tokens and max_prompts_per_dataset must be >= 1")
+        if min(self.num_steps, self.topk, self.eval_max_new_tokens, self.max_prompts_per_dataset) < 1:
+            raise ValueError("num_steps, topk, eval_max_new_tokens and max_prompts_per_dataset must be >= 1")
         if self.offline and "none" not in self.methods:
             raise ValueError("methods must include 'none', the lossless greedy reference")
         if not self.offline and self.online_engine == "none":
@@ -164,7 +164,7 @@ def decode_offline(
             for m in methods:
                 prop = proposer_for(m, p, drafter)
                 g = specdec.speculative_generate(
-                    runners[prop.needs_features], prop, pr.prompt_ids, p.max_new_tokens, p.num_steps, eos_ids
+                    runners[prop.needs_features], prop, pr.prompt_ids, p.eval_max_new_tokens, p.num_steps, eos_ids
                 )
                 ref = g.output_ids if m == "none" else ref
                 rec = {
@@ -237,15 +237,15 @@ def _online(
     conc = (p.online_concurrency, p.online_timeout_s)
     vargs = (p.num_steps, *conc)
     if p.online_engine == "sglang":
-        return specdec.online_sglang(p.online_url.rstrip("/"), prompts, p.max_new_tokens, *conc)
+        return specdec.online_sglang(p.online_url.rstrip("/"), prompts, p.eval_max_new_tokens, *conc)
     if p.online_url:
         return specdec.online_vllm(
-            p.online_url.rstrip("/"), p.online_model, prompts, p.max_new_tokens, *vargs
+            p.online_url.rstrip("/"), p.online_model, prompts, p.eval_max_new_tokens, *vargs
         )
     from eagle_lib.engines.vllm_server import start_vllm
 
     spec = {"method": "eagle3", "model": str(exports[p.online_format]), "num_speculative_tokens": p.num_steps}
-    max_len = min(max_pos, p.max_prompt_tokens + p.max_new_tokens + 2 * p.num_steps + 8)
+    max_len = min(max_pos, p.max_prompt_tokens + p.eval_max_new_tokens + 2 * p.num_steps + 8)
     with start_vllm(
         models.resolve(shared.target),
         extra_args=["--speculative-config", json.dumps(spec)],
@@ -253,7 +253,7 @@ def _online(
         max_model_len=max_len,
         log_dir=out / "vllm",
     ) as srv:
-        return specdec.online_vllm(srv.base_url, srv.model, prompts, p.max_new_tokens, *vargs)
+        return specdec.online_vllm(srv.base_url, srv.model, prompts, p.eval_max_new_tokens, *vargs)
 
 
 def _overall_online(raw: dict[str, dict], engine: str) -> float:

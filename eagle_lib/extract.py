@@ -53,8 +53,7 @@ class Params(params.Strict):
     """02_extract_B parameters."""
 
     datasets: list[BSource] = _TOY_B  # B sources: {name, path, adapter, turn, max_prompts, ...}
-    max_seq_len: int = 2048  # a prompt is kept only if its tokens + max_new_tokens fit in this
-    max_new_tokens: int = 512  # the generation budget assumed by the length filter (stage 03 has its own)
+    max_seq_len: int = 2048  # a prompt is kept only if its tokens + shared max_new_tokens fit in this
     dedup: bool = True  # drop prompts whose normalized text (or SWE instance id) was already kept
     max_reject_fraction: float = 0.1  # a dataset rejecting more than this share of its rows fails the stage
     chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
@@ -101,15 +100,12 @@ def prompt_key(messages: list[dict], tools: list) -> str:
 
 def _extract_one(conv: dict, src: BSource) -> tuple:
     state = records.worker_state()
-    p: Params = state["params"]
     if "input_ids" in conv:
         raise formats.Malformed("pre-tokenized rows have no messages to regenerate from")
     msgs = prompt_messages(conv["messages"], src.turn)
     if msgs is None:
         return "dropped", "no_prompt"
     ids = state["encoder"].encode_prompt(msgs, conv["tools"])
-    if len(ids) + p.max_new_tokens > p.max_seq_len:
-        return "dropped", "too_long"
     key = f"group:{conv['group']}" if conv.get("group") else prompt_key(msgs, conv["tools"])
     rec = {"id": conv["id"], "source": conv["source"], "messages": msgs, "tools": conv["tools"]}
     return "kept", (rec | {"prompt_ids": ids, "n_prompt_tokens": len(ids)}, key)
@@ -128,8 +124,8 @@ def sample_key(seed: int, rid: str) -> str:
 class _Candidates:
     """Kept-so-far prompts (after filter and dedup) staged in a file until the cap's sample is known."""
 
-    def __init__(self, out: records.DatasetOutput, seed: int, dedup: bool):
-        self.out, self.seed, self.dedup = out, seed, dedup
+    def __init__(self, out: records.DatasetOutput, seed: int, dedup: bool, max_prompt_tokens: int):
+        self.out, self.seed, self.dedup, self.max_prompt_tokens = out, seed, dedup, max_prompt_tokens
         self.path = out.tmp / "candidates.jsonl"
         self.seen: set[str] = set()
         self.keys: list[str] = []
@@ -139,6 +135,8 @@ class _Candidates:
         if kind != "kept":
             return self.out.add(kind, payload)
         rec, key = payload
+        if rec["n_prompt_tokens"] > self.max_prompt_tokens:  # no room left for the generation budget
+            return self.out.add("dropped", "too_long")
         if self.dedup and key in self.seen:
             return self.out.add("dropped", "duplicate")
         self.seen.add(key)
@@ -169,12 +167,16 @@ class _Candidates:
 def run_dataset(cfg: params.StageConfig, src: BSource, root: Path, tok: Any, initargs: tuple) -> dict:
     """Extract one B dataset into data/B/<name>/ (or reuse a complete identical earlier output)."""
     p: Params = cfg.stage
-    stage_params = p.model_dump(mode="json", exclude={"datasets"}) | {"seed": cfg.shared.seed}
+    budget = cfg.shared.max_new_tokens
+    stage_params = p.model_dump(mode="json", exclude={"datasets"}) | {
+        "seed": cfg.shared.seed,
+        "max_new_tokens": budget,
+    }
     key = records.fingerprint(src, stage_params, tok)
     if (meta := records.reusable(root, src.name, key)) is not None:
         return meta | {"reused": True}
     out = records.DatasetOutput(root, src.name, "prompts.jsonl", key)
-    cands = _Candidates(out, cfg.shared.seed, p.dedup)
+    cands = _Candidates(out, cfg.shared.seed, p.dedup, p.max_seq_len - budget)
     n_workers = models.num_workers(cfg.shared.num_workers)
     for results in records.parallel_map(
         _extract_batch, records.batches(src, p.batch_size), n_workers, initargs

@@ -46,7 +46,6 @@ class Params(params.Strict):
     backoff_max_s: float = 60.0  # longest retry delay
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # nucleus sampling mass (temperature > 0)
-    max_new_tokens: int = 512  # generation budget per prompt; answers cut here get finish_reason "length"
     stop_token_ids: list[int] = []  # empty: the target generation config's eos ids (else the tokenizer's)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # embedded; auto: fp32 on CPU, bf16 on GPU
     batch_size: int = 32  # embedded: prompts decoded together
@@ -226,7 +225,7 @@ def make_engine(cfg: params.StageConfig, tokenizer):
 
     def sampling(model=None) -> Sampling:
         stop = tuple(resolve_stop_ids(cfg, tokenizer, model))
-        return Sampling(p.temperature, p.top_p, p.max_new_tokens, shared.seed, stop)
+        return Sampling(p.temperature, p.top_p, shared.max_new_tokens, shared.seed, stop)
 
     if p.engine == "embedded":
         import torch

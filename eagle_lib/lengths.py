@@ -38,7 +38,6 @@ class Params(Strict):
 
     end_of_thinking_token: str = "</think>"  # token that ends reasoning, resolved with the target tokenizer
     end_of_thinking_id: int = -1  # its id, if known (skips loading the tokenizer); -1: resolve the token
-    max_new_tokens: int = 0  # 03's generation limit, checked against the responses' own; 0: take theirs
     infer_limit: int = 0  # 03's `limit` (first N prompts per dataset) while it runs; 0: all prompts
     datasets: list[str] = []  # analyse only these dataset names (A and B); empty: every dataset found
     short_tokens: int = 32  # completions shorter than this count as short (bimodality summary)
@@ -76,11 +75,11 @@ def top_decile_share(x: np.ndarray) -> float:
     return float(top.sum(dtype=np.int64) / x.sum(dtype=np.int64))
 
 
-def _limit(ls: Lengths, p: Params) -> int:
-    """The generation limit of a B dataset: the records' own (most common), else the params'."""
+def _limit(ls: Lengths, max_new_tokens: int) -> int:
+    """The generation limit of a B dataset: the records' own (most common), else shared max_new_tokens."""
     if ls.limits:
         return int(ls.limits.most_common(1)[0][0])
-    return p.max_new_tokens if ls.kind == "B" else 0
+    return max_new_tokens if ls.kind == "B" else 0
 
 
 def _reasoning(a: dict[str, np.ndarray], p: Params) -> bool:
@@ -89,12 +88,12 @@ def _reasoning(a: dict[str, np.ndarray], p: Params) -> bool:
     return bool(uncut.size and (uncut >= p.min_reasoning_tokens).mean() >= p.reasoning_min_share)
 
 
-def dataset_row(ls: Lengths, p: Params) -> dict:
+def dataset_row(ls: Lengths, p: Params, max_new_tokens: int = 0) -> dict:
     """One row of the length table: counts, completion/prompt distributions, limit and reasoning shares."""
     a = ls.arrays()
     c, r, n = a["completion"], a["reasoning"], a["completion"].size
     share = (lambda m: float(m.mean())) if n else (lambda m: np.nan)
-    row = {"kind": ls.kind, "dataset": ls.name, "n": n, "limit": _limit(ls, p)} | _pct(c, "")
+    row = {"kind": ls.kind, "dataset": ls.name, "n": n, "limit": _limit(ls, max_new_tokens)} | _pct(c, "")
     row |= {
         "share_at_limit": share(a["status"] == 1),
         "share_stop": share(a["status"] == 0),
@@ -115,9 +114,11 @@ def dataset_row(ls: Lengths, p: Params) -> dict:
     return row | _pct(a["prompt"], "prompt_")
 
 
-def tables(lengths: list[Lengths], p: Params) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def tables(
+    lengths: list[Lengths], p: Params, max_new_tokens: int = 0
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(completion length table, prompt length table, measured token table with corpus shares)."""
-    rows = pd.DataFrame([dataset_row(ls, p) for ls in lengths])
+    rows = pd.DataFrame([dataset_row(ls, p, max_new_tokens) for ls in lengths])
     prompt_cols = [c for c in rows.columns if c.startswith("prompt_")]
     prompt = rows[["kind", "dataset", "n"] + prompt_cols].rename(columns=lambda c: c.removeprefix("prompt_"))
     completion = rows.drop(columns=prompt_cols)
@@ -290,9 +291,9 @@ def run(cfg) -> LengthReport:
     think_id = resolve_think_id(p, cfg.shared)
     sources = find_sources(run_dir, p.datasets)
     lengths = scan_all(sources, think_id, p.block_bytes, cfg.shared.num_workers)
-    completion, prompt, tokens = tables(lengths, p)
+    completion, prompt, tokens = tables(lengths, p, cfg.shared.max_new_tokens)
     proj, corpus = projection(lengths, run_dir, p, cfg.shared.seed)
-    found = verdicts(completion, proj, lengths, p, think_id)
+    found = verdicts(completion, proj, lengths, p, think_id, cfg.shared.max_new_tokens)
     result = LengthReport(p, completion, prompt, tokens, proj, found, corpus, lengths, think_id)
     out.mkdir(parents=True, exist_ok=True)
     result.figures = make_figures(result, out / "plots")

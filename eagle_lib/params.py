@@ -47,6 +47,9 @@ class SharedParams(Strict):
     num_workers: int = 0  # worker processes for CPU-bound stages (0: all cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     heldout_percent: float = 5.0  # share of sample ids (by hash) held out of training for evaluation
+    max_new_tokens: int = (
+        512  # the target's generation budget: 03 generates up to it, 02 and 04 check against it
+    )
 
     @property
     def tokenizer_path(self) -> str:
@@ -207,7 +210,19 @@ def validate_namespace(
         raise ParamsError(f"{where}: run_dir: must be a string (got {run_dir!r})")
     shared = _validate(SharedParams, {k: namespace[k] for k in shared_keys if k in names}, where)
     params = _validate(model, {k: namespace[k] for k in model.model_fields if k in names}, where)
-    return StageConfig(stage, Path(run_dir), shared, params)
+    return StageConfig(stage, resolve_run_dir(run_dir), shared, params)
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_run_dir(run_dir: str) -> Path:
+    """A relative run_dir is under the repository root (or $EAGLE_REPO_ROOT), never the working directory:
+    a notebook opened from notebooks/ in JupyterLab finds outputs/toy as the pipeline does."""
+    path = Path(run_dir).expanduser()
+    if path.is_absolute():
+        return path
+    return Path(os.environ.get("EAGLE_REPO_ROOT") or REPO_ROOT) / path
 
 
 def secret_from_env(var: str, purpose: str) -> str | None:

@@ -58,7 +58,7 @@ def _dataset_checks(row, peers: float, p: Params) -> list[tuple[str, float, floa
 
 
 def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths], p: Params,
-             think_id: int | None) -> pd.DataFrame:  # fmt: skip
+             think_id: int | None, max_new_tokens: int = 0) -> pd.DataFrame:  # fmt: skip
     """The warnings table: each row names the check, the measured value, its threshold and a message."""
     out = []
     medians = completion.set_index(["kind", "dataset"])["median"].dropna()
@@ -67,9 +67,9 @@ def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths
         peers = float(np.median(others)) if len(others) and row["n"] else np.nan
         out += [("warn", ls.kind, ls.name, *c[:3], c[4]) for c in _dataset_checks(row, peers, p) if c[3]]
         seen = sorted(ls.limits)
-        if p.max_new_tokens and seen and seen != [p.max_new_tokens]:
-            out.append(("warn", ls.kind, ls.name, "limit_mismatch", seen[-1], p.max_new_tokens,
-                        f"responses were generated with max_new_tokens {seen}, params say {p.max_new_tokens}"))  # fmt: skip
+        if ls.kind == "B" and max_new_tokens and seen and seen != [max_new_tokens]:
+            out.append(("warn", ls.kind, ls.name, "limit_mismatch", seen[-1], max_new_tokens,
+                        f"responses were generated with max_new_tokens {seen}, params say {max_new_tokens}"))  # fmt: skip
         if ls.torn or ls.duplicates:
             out.append(("info", ls.kind, ls.name, "skipped_lines", ls.torn + ls.duplicates, 0,
                         f"skipped {ls.torn} torn line(s) (a write in progress or an interrupted one) and "

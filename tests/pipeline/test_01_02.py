@@ -93,7 +93,7 @@ def test_prompt_ids_are_the_template_with_generation_prompt(ci_run, tok):
                 x["messages"], tools=x["tools"] or None, add_generation_prompt=True, return_dict=False
             )
             assert x["prompt_ids"] == want and x["n_prompt_tokens"] == len(want)
-            assert x["n_prompt_tokens"] + p.max_new_tokens <= p.max_seq_len
+            assert x["n_prompt_tokens"] + run.shared.max_new_tokens <= p.max_seq_len
 
 
 @pytest.mark.parametrize("stage, kind", [("01_prepare_A", "A"), ("02_extract_B", "B")])

@@ -11,7 +11,8 @@ from eagle_lib.pipeline import REPO_ROOT
 
 
 def test_every_selected_prompt_is_answered_exactly_once(ci_run):
-    stage = params.load_params(REPO_ROOT / "params/ci.yaml").stage("03_infer")
+    run = params.load_params(REPO_ROOT / "params/ci.yaml")
+    stage, limit = run.stage("03_infer"), run.shared.max_new_tokens
     meta = store.read_json(ci_run / "infer" / "meta.json")
     store.check_tally(meta)
     assert meta["status"] == "ok" and meta["rejected"] == 0
@@ -24,9 +25,7 @@ def test_every_selected_prompt_is_answered_exactly_once(ci_run):
         by_id = {p["id"]: p for p in prompts}
         for r in recs:
             assert r["prompt_ids"] == by_id[r["id"]]["prompt_ids"]
-            assert (
-                r["finish_reason"] in ("stop", "length") and 0 < r["n_output_tokens"] <= stage.max_new_tokens
-            )
+            assert r["finish_reason"] in ("stop", "length") and 0 < r["n_output_tokens"] <= limit
             assert (
                 r["finish_reason"] == "length"
                 or r["output_ids"][-1] in meta["datasets"][name]["stop_token_ids"]

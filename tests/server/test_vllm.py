@@ -32,8 +32,9 @@ def write_prompts(run: Path, tokenizer, n: int) -> list[dict]:
 
 
 def stage(run: Path, target: str, **kw) -> params.StageConfig:
-    p = infer.Params(max_new_tokens=48, progress=False, **kw)
-    return params.StageConfig("03_infer", run, params.SharedParams(target=target, num_workers=2), p)
+    p = infer.Params(progress=False, **kw)
+    shared = params.SharedParams(target=target, num_workers=2, max_new_tokens=48)
+    return params.StageConfig("03_infer", run, shared, p)
 
 
 def divergence_is_a_near_tie(model, prompt: list[int], a: list[int], b: list[int]) -> tuple[bool, float]:

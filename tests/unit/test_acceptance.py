@@ -78,7 +78,7 @@ def test_run_on_tiny_run_dir(tmp_path):
     recs = [r for r in recs if store.is_heldout(r["id"], 5.0)][:4]
     store.append_jsonl(run_dir / "data" / "B" / "tiny" / "prompts.jsonl", recs)
     shared = params.SharedParams(target=str(world), device="cpu")
-    p = acceptance.Params(max_prompts_per_dataset=3, max_new_tokens=12, methods=["none", "ngram", "eagle3"])
+    p = acceptance.Params(max_prompts_per_dataset=3, eval_max_new_tokens=12, methods=["none", "ngram", "eagle3"])
     ev = acceptance.run(params.StageConfig("06_eval_acceptance", run_dir, shared, p))
     h = ev.headline
     assert h["lossless"] and h["tau_none"] == 1.0 and h["preflight_ok"] and h["prompts"] == 3

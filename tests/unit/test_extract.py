@@ -31,11 +31,11 @@ def source(world, name, **kw):
     return extract.BSource(name=name, path=str(world["data"] / f"{name}.{EXT[name]}"), adapter=name, **kw)
 
 
-def make_cfg(world, run_dir: Path, sources, workers=1, seed=0, **stage):
-    p = extract.Params(
-        **({"datasets": sources, "batch_size": 8, "max_new_tokens": 64, "max_reject_fraction": 0.5} | stage)
+def make_cfg(world, run_dir: Path, sources, workers=1, seed=0, max_new_tokens=64, **stage):
+    p = extract.Params(**({"datasets": sources, "batch_size": 8, "max_reject_fraction": 0.5} | stage))
+    shared = params.SharedParams(
+        target="unused", tokenizer=world["tok"], num_workers=workers, seed=seed, max_new_tokens=max_new_tokens
     )
-    shared = params.SharedParams(target="unused", tokenizer=world["tok"], num_workers=workers, seed=seed)
     return params.StageConfig("02_extract_B", run_dir, shared, p)
 
 

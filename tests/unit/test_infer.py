@@ -41,10 +41,10 @@ def make_run(tmp_path: Path, tok, sizes: dict[str, int]) -> Path:
     return run
 
 
-def config(run: Path, world_dir: Path, **stage) -> params.StageConfig:
-    stage = {"max_new_tokens": 12, "stop_token_ids": [STOP], "write_every": 3, "progress": False} | stage
-    return params.StageConfig("03_infer", run, params.SharedParams(target=str(world_dir), num_workers=1),
-                              infer.Params(**stage))  # fmt: skip
+def config(run: Path, world_dir: Path, max_new_tokens: int = 12, **stage) -> params.StageConfig:
+    stage = {"stop_token_ids": [STOP], "write_every": 3, "progress": False} | stage
+    shared = params.SharedParams(target=str(world_dir), num_workers=1, max_new_tokens=max_new_tokens)
+    return params.StageConfig("03_infer", run, shared, infer.Params(**stage))
 
 
 def records(run: Path, name: str) -> list[dict]:
@@ -138,13 +138,12 @@ def test_sigkill_at_random_points_then_finish(world, tmp_path):
     run = make_run(tmp_path, tok, {"a": n})
     pfile = tmp_path / "kill.yaml"
     stage = {
-        "max_new_tokens": 24,
         "stop_token_ids": [eos],
         "batch_size": 4,
         "write_every": 2,
         "progress": False,
     }
-    pfile.write_text(yaml.safe_dump({"run_name": "kill", "shared": {"target": str(d), "num_workers": 1},
+    pfile.write_text(yaml.safe_dump({"run_name": "kill", "shared": {"target": str(d), "num_workers": 1, "max_new_tokens": 24},
                                      "stages": {"03_infer": stage}}))  # fmt: skip
     cmd = [sys.executable, "-m", "eagle_lib.infer", str(pfile), "--run-dir", str(run)]
     out = run / "infer/a/responses.jsonl"

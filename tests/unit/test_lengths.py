@@ -319,12 +319,12 @@ def test_limit_mismatch_and_no_think_token_are_reported():
     ls = Lengths("B", "d")
     ls.add(3, 100, 0, 0, 0)
     ls.limits[512] += 1
-    p = Params(max_new_tokens=1024)
-    comp, _, _ = lengths.tables([ls], p)
+    p = Params()
+    comp, _, _ = lengths.tables([ls], p, max_new_tokens=1024)
     proj = pd.DataFrame(
         columns=["kind", "dataset", "tokens", "too_few_to_project", "status", "completed", "planned"]
     )
-    v = verdicts(comp, proj, [ls], p, None)
+    v = verdicts(comp, proj, [ls], p, None, max_new_tokens=1024)
     assert set(v.check) == {"limit_mismatch", "no_end_of_thinking"}
     assert "[512]" in v.set_index("check").loc["limit_mismatch", "message"]
 
