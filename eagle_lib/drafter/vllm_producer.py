@@ -1,0 +1,214 @@
+"""Producer of target hidden states for stage 05: vLLM prefill with ``extract_hidden_states`` into the buffer.
+
+Run with the vLLM venv's interpreter (it pins its own torch), by the stage or by hand on a cluster::
+
+    .venv-vllm/bin/python -m eagle_lib.drafter.vllm_producer --buffer DIR [--index i --count n]
+
+``DIR`` holds ``producer_config.json``, ``sequences.jsonl`` and ``plan.json`` written by the trainer
+(`eagle_lib.drafter.engine_hidden`; layout in `eagle_lib.drafter.hidden_buffer`). Every planned sequence is
+one vLLM request with ``max_tokens=1`` (prefill only, no decoding); the speculative method
+``extract_hidden_states`` captures the configured layers (HF ``hidden_states`` indices; id L = the last
+layer before the final norm) and a KV connector writes them per request: vLLM's own
+``ExampleHiddenStatesConnector`` on GPU, `eagle_lib.drafter.vllm_connector` on CPU. The producer regroups
+them into one file per unit, cast to the storage dtype. Imports nothing of the main venv beyond the
+stdlib-only buffer protocol and the connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from eagle_lib.drafter import hidden_buffer as hb
+
+
+def engine(cfg: dict, scratch: Path):
+    """A `vllm.LLM` that captures ``cfg['layer_ids']`` during prefill and writes them under ``scratch``."""
+    from vllm import LLM
+
+    if cfg["connector"] == "cpu":
+        from eagle_lib.drafter import vllm_connector
+
+        conn = {"kv_connector": vllm_connector.CLASS, "kv_connector_module_path": vllm_connector.MODULE}
+    else:  # vLLM's own (CUDA streams, pinned memory, a writer thread pool)
+        conn = {"kv_connector": "ExampleHiddenStatesConnector"}
+    conn.update(kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": str(scratch)})
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": cfg["layer_ids"]}},
+    }
+    return LLM(
+        model=cfg["target"],
+        dtype=cfg["model_dtype"],
+        tensor_parallel_size=cfg["tensor_parallel_size"],
+        max_model_len=cfg["max_model_len"],
+        trust_remote_code=cfg["trust_remote_code"],
+        enforce_eager=cfg["connector"] == "cpu",
+        enable_prefix_caching=False,  # every request's hidden states come from its own prefill
+        skip_tokenizer_init=True,
+        speculative_config=spec,
+        kv_transfer_config=conn,
+        seed=0,
+    )
+
+
+def read_request_file(path: str) -> dict:
+    """A connector's per-request file, after the writer released its lock (vLLM's protocol)."""
+    from safetensors.torch import load_file
+
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps until the writer releases LOCK_EX
+            data = load_file(path, device="cpu")
+        os.remove(lock)
+    else:
+        data = load_file(path, device="cpu")
+    os.remove(path)
+    return data
+
+
+class Producer:
+    def __init__(self, buf: Path, index: int, count: int):
+        self.buf, self.index, self.count = buf, index, count
+        self.cfg = hb.read_json(buf / "producer_config.json")
+        self.units = hb.read_json(buf / "plan.json")["units"]
+        with open(buf / "sequences.jsonl") as f:
+            self.seqs = [json.loads(line) for line in f]
+        self.n_ids, self.h = len(self.cfg["layer_ids"]), self.cfg["hidden_size"]
+        self.ledger = hb.Ledger(self.cfg["max_buffer_bytes"] // count)
+        self.stats = {"tokens": 0, "units": 0, "bytes_written": 0, "busy_s": 0.0, "blocked_s": 0.0}
+        self.stats_path = buf / f"producer_{index}.json"
+        self.parent = os.getppid() if self.cfg.get("exit_with_parent") else None
+
+    def need(self, u: int) -> int:
+        lengths = [len(self.seqs[i]) for i in self.units[u]]
+        shard = hb.shard_bytes(sum(lengths), len(lengths), self.n_ids, self.h, self.cfg["storage_dtype"])
+        return shard + hb.scratch_bytes(lengths, self.n_ids, self.h, self.cfg["model_dtype"])
+
+    def write_stats(self, state: str) -> None:
+        hb.write_json(
+            self.stats_path,
+            {
+                **self.stats,
+                "state": state,
+                "pid": os.getpid(),
+                "share_bytes": self.ledger.share,
+                "peak_buffer_bytes": self.ledger.peak,
+                "pending_bytes": self.ledger.pending(),
+            },
+        )
+
+    def run(self) -> None:
+        scratch = self.buf / f"scratch_{self.index}"
+        shutil.rmtree(scratch, ignore_errors=True)  # a killed run's per-request files
+        scratch.mkdir(parents=True)
+        for part in self.buf.glob("unit_*.part"):
+            part.unlink()
+        mine = [u for u in range(len(self.units)) if u % self.count == self.index]
+        for u in mine:
+            if self.need(u) > self.ledger.share:
+                raise SystemExit(
+                    f"{self.buf}: unit {u} needs {self.need(u)} B in flight, more than this producer's "
+                    f"share {self.ledger.share} B of max_buffer_gb: raise max_buffer_gb or lower rows_per_batch"
+                )
+        self.write_stats("starting")
+        llm = engine(self.cfg, scratch)
+        pos = 0
+        while pos < len(mine):
+            if (self.buf / "STOP").exists() or (self.parent and os.getppid() != self.parent):
+                break  # asked to stop, or the trainer that started us is gone
+            cursor = hb.read_cursor(self.buf)
+            self.ledger.release_consumed(cursor)
+            u = mine[pos]
+            if u < cursor or (self.buf / hb.unit_name(u)).exists():
+                if u >= cursor:  # made by an earlier run of this producer: still counts until consumed
+                    self.ledger.add(u, (self.buf / hb.unit_name(u)).stat().st_size)
+                pos += 1
+                continue
+            batch, reserve = [], 0
+            for v in mine[pos : pos + self.cfg["units_per_call"]]:
+                if (self.buf / hb.unit_name(v)).exists() or not self.ledger.fits(reserve + self.need(v)):
+                    break
+                batch.append(v)
+                reserve += self.need(v)
+            if not batch:  # the buffer is full: wait for the trainer
+                t0 = time.perf_counter()
+                time.sleep(0.02)
+                self.stats["blocked_s"] += time.perf_counter() - t0
+                self.write_stats("blocked")
+                continue
+            self.ledger.reserve(reserve)
+            t0 = time.perf_counter()
+            self.produce(llm, batch)
+            self.stats["busy_s"] += time.perf_counter() - t0
+            pos += len(batch)
+            self.write_stats("running")
+        self.write_stats("done")
+
+    def produce(self, llm, batch: list[int]) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from vllm import SamplingParams, TokensPrompt
+
+        idx = [i for u in batch for i in self.units[u]]
+        prompts = [TokensPrompt(prompt_token_ids=self.seqs[i]) for i in idx]
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got = iter(outs)
+        dtype = getattr(torch, self.cfg["storage_dtype"])
+        for u in batch:
+            parts, lengths = [], []
+            for i in self.units[u]:
+                out = next(got)
+                path = (out.kv_transfer_params or {}).get("hidden_states_path")
+                if path is None:
+                    raise RuntimeError(f"vLLM returned no hidden_states_path for sequence {i} (unit {u})")
+                data = read_request_file(path)
+                ids = data["token_ids"].tolist()
+                if ids != self.seqs[i]:
+                    raise RuntimeError(
+                        f"unit {u}, sequence {i}: the engine's file holds {len(ids)} token ids that differ "
+                        f"from the {len(self.seqs[i])} planned ones"
+                    )
+                hs = data["hidden_states"]
+                if tuple(hs.shape) != (len(ids), self.n_ids, self.h):
+                    raise RuntimeError(
+                        f"unit {u}: hidden_states {list(hs.shape)}, expected [{len(ids)}, {self.n_ids}, {self.h}]"
+                    )
+                parts.append(hs.to(dtype))
+                lengths.append(len(ids))
+            tensors = {
+                "hidden_states": torch.cat(parts).contiguous(),
+                "token_ids": torch.tensor([t for i in self.units[u] for t in self.seqs[i]], dtype=torch.long),
+                "lengths": torch.tensor(lengths, dtype=torch.long),
+            }
+            final = self.buf / hb.unit_name(u)
+            part = final.with_suffix(".part")
+            save_file(tensors, str(part), metadata={"layer_ids": json.dumps(self.cfg["layer_ids"])})
+            os.replace(part, final)
+            size = final.stat().st_size
+            self.ledger.add(u, size)
+            self.stats["tokens"] += sum(lengths)
+            self.stats["units"] += 1
+            self.stats["bytes_written"] += size
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--buffer", required=True, type=Path)
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--count", type=int, default=1)
+    a = ap.parse_args(argv)
+    Producer(a.buffer, a.index, a.count).run()
+
+
+if __name__ == "__main__":  # the multiprocessing engine re-imports __main__ in its workers
+    main(sys.argv[1:])
