@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env bench-env run test test-unit toy lint
+.PHONY: env vllm-env bench-env run test test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ run: env toy
 
 test: env vllm-env
 	$(PY) -m pytest -q
+
+# JupyterLab on the repository; its python3 kernel is this project's .venv (notebooks find outputs/ from any cwd).
+lab: env
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --ServerApp.ip=127.0.0.1 --no-browser
 
 test-unit: env
 	$(PY) -m pytest -q tests/unit

@@ -1,14 +1,27 @@
-"""Load the target tokenizer/model through the same code for the toy world and a real model.
+"""Load the target tokenizer/model/config through the same code for the toy world and a real model, and the one
+home of the aux-layer index conventions.
 
 `toy://...` URIs resolve to the cached toy world (built on first use); anything else is an HF model dir or
-hub id, loaded with AutoTokenizer / AutoModelForCausalLM exactly as a real target would be.
+hub id, loaded with AutoTokenizer / AutoModelForCausalLM / AutoConfig exactly as a real target would be.
+torch is imported only by the functions that need it (params validation must not import it).
+
+Aux layer ids: one layer, three numbers. Our ``aux_layers`` (``Eagle3Config.aux_layers``) are 0-based decoder
+layers whose *outputs* the drafter reads. HF ``output_hidden_states`` index = layer + 1 (index 0 is the embedding
+output), and vLLM's ``eagle_aux_hidden_state_layer_ids`` (config and ``extract_hidden_states``) use that same index
+(measured on the toy target); vLLM id L (the layer count) is the last layer *before* the final norm, unlike HF
+``hidden_states[L]``, which is normed. SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids`` names the
+decoder layer itself (it captures at the input of layer id + 1).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+Convention = Literal["ours", "hf", "vllm", "sglang"]
 
 
 def resolve(uri: str) -> str:
@@ -21,6 +34,8 @@ def resolve(uri: str) -> str:
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -47,6 +62,7 @@ def load_tokenizer(shared):
 
 def load_target(shared, dtype: torch.dtype | None = None, device: str | None = None):
     """The target model in eval mode on the chosen device (fp32 on CPU, bf16 on GPU unless told)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     dev = pick_device(device or shared.device)
@@ -56,3 +72,32 @@ def load_target(shared, dtype: torch.dtype | None = None, device: str | None = N
         resolve(shared.target), dtype=dtype, trust_remote_code=shared.trust_remote_code
     )
     return model.to(dev).eval()
+
+
+def text_config(hf_config):
+    """The language model's config: a multimodal config's ``text_config`` (Kimi-K2.5), else the config itself."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def load_config(target: str, trust_remote_code: bool = False):
+    """The target's HF config (toy:// resolved), without loading weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve(target), trust_remote_code=trust_remote_code)
+
+
+def load_text_config(shared):
+    """``text_config(load_config(shared.target))``: the one text-config guard for every stage."""
+    return text_config(load_config(shared.target, shared.trust_remote_code))
+
+
+def layer_ids(aux_layers: list[int], to: Convention) -> list[int]:
+    """Our 0-based decoder layers -> the ids of convention ``to`` (see the module docstring)."""
+    shift = {"ours": 0, "sglang": 0, "hf": 1, "vllm": 1}[to]
+    return [int(a) + shift for a in aux_layers]
+
+
+def aux_layers_from(ids: list[int], convention: Convention) -> list[int]:
+    """The inverse of :func:`layer_ids`: ids of ``convention`` -> our 0-based decoder layers."""
+    shift = {"ours": 0, "sglang": 0, "hf": 1, "vllm": 1}[convention]
+    return [int(i) - shift for i in ids]

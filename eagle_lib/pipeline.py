@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -209,15 +211,16 @@ class Runner:
 
         self.reports.mkdir(parents=True, exist_ok=True)
         try:
-            pm.execute_notebook(
-                str(self.root / spec.notebook),
-                str(out_nb),
-                parameters=params,
-                cwd=str(self.root),
-                progress_bar=False,
-                log_output=False,
-                kernel_name="python3",
-            )
+            with report_env():
+                pm.execute_notebook(
+                    str(self.root / spec.notebook),
+                    str(out_nb),
+                    parameters=params,
+                    cwd=str(self.root),
+                    progress_bar=False,
+                    log_output=False,
+                    kernel_name="python3",
+                )
         except pm.PapermillExecutionError as e:
             return f"cell {e.cell_index} (execution count {e.exec_count}) raised {e.ename}: {e.evalue}"
         return None
@@ -243,6 +246,32 @@ class Runner:
             "started": _now(),
             "stages": old.get("stages", {}),
         }
+
+
+# Progress bars and load chatter are noise in an executed report (and tqdm without ipywidgets prints
+# "IProgress not found" to stderr): the kernel papermill starts inherits these.
+REPORT_ENV = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@contextlib.contextmanager
+def report_env():
+    """Set REPORT_ENV for the duration (the notebook kernel is started inside), then restore."""
+    saved = {k: os.environ.get(k) for k in REPORT_ENV}
+    os.environ.update(REPORT_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _now() -> str:

@@ -10,7 +10,9 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +97,45 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return list(iter_jsonl(path))
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename), so readers never see half a file."""
+def write_atomic(path: str | Path, write: Any) -> Path:
+    """The one write-then-rename: ``write(tmp_path)`` fills a temp file beside ``path`` (fsynced), which then
+    replaces ``path``; readers see the old file or the new one, never half of one. Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write JSON atomically (:func:`write_atomic`), so readers never see half a file."""
+    text = json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n"
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def now_iso(ts: float | None = None) -> str:
+    """ISO-8601 UTC time (seconds) of ``ts`` (epoch seconds; default now): the one time format of meta files."""
+    return datetime.fromtimestamp(time.time() if ts is None else ts, UTC).isoformat(timespec="seconds")
+
+
+def write_meta(directory: str | Path, meta: dict, started: float, tally: bool = False) -> dict:
+    """Write ``directory/meta.json``: ``meta`` plus ``started`` / ``finished`` (ISO-8601) and ``seconds``;
+    with ``tally`` the counting invariant is checked first. Returns what was written."""
+    end = time.time()
+    out = meta | {"started": now_iso(started), "finished": now_iso(end), "seconds": round(end - started, 3)}
+    path = Path(directory) / "meta.json"
+    if tally:
+        check_tally(out, str(path))
+    write_json(path, out)
+    return out
 
 
 def read_json(path: str | Path) -> Any:
