@@ -1,9 +1,11 @@
 """Stage 05: train an EAGLE-3 drafter on A records + B responses with the target's hidden states.
 
 Writes ``run_dir/drafter/``: ``vocab/`` (cached draft-vocab maps), ``checkpoints/<fingerprint>/step_NNNNNNN/``
-(drafter safetensors + ``trainer.pt`` with optimizer, scheduler and log history; ``COMPLETE`` written last),
-``train_log.jsonl`` (one line per optimizer step), ``final/`` (`eagle_lib.drafter.model.load_drafter` reads it;
-``summary.json`` beside the weights), ``summary.json`` and ``meta.json``.
+(drafter and optimizer safetensors + ``trainer.json`` with scheduler and log history; ``COMPLETE`` last),
+``train_log.jsonl`` (one line per optimizer step; every ``measure_every`` steps also the acceptance measured by
+decoding held-out prompts, `eagle_lib.drafter.measure`), ``final/`` (`eagle_lib.drafter.model.load_drafter` reads it;
+``summary.json`` beside the weights), ``export/{sglang,speculators}/`` (`eagle_lib.serving.export`), ``summary.json``
+and ``meta.json``.
 
 A rerun with ``resume: true`` continues from the newest complete checkpoint of the same settings; the data
 order is a pure function of (seed, step), so the resumed loss curve equals an uninterrupted one.
@@ -19,11 +21,12 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.drafter import batches, checkpoints, distributed, ttt, vocab
+from eagle_lib.drafter import batches, checkpoints, distributed, measure, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_state
 
 STAGE = "05_train_eagle3"
@@ -41,19 +44,26 @@ _NOT_IN_FINGERPRINT = {
     "export_dtype",
     "attention",
     "num_speculative_tokens",
+    "measure_every",
+    "measure_prompts",
+    "measure_new_tokens",
+    "measure_drafts",
+    "final_checkpoint",
 }
 
 
 class Params(params.Strict):
     """Stage 05 parameters (defaults train the toy drafter in a few CPU minutes)."""
 
-    hidden_source: str = "online"  # online: run the HF target | offline: engine dumps in hidden_dump_dir
+    hidden_source: Literal["online", "offline"] = (
+        "online"  # online: run the HF target | offline: engine dumps in hidden_dump_dir
+    )
     hidden_dump_dir: str = (
         ""  # dir of hs_{i}.safetensors (token_ids [T], hidden_states [T, 4, H]); offline only
     )
     aux_layers: list[int] = []  # target decoder layers (0-based) feeding fc; empty means [1, L//2-1, L-4]
     draft_vocab_size: int = 512  # N: lm_head over the N most frequent label tokens
-    ttt_preset: str = (
+    ttt_preset: Literal["eagle", "specforge", "speculators", "modelopt", "custom"] = (
         "eagle"  # eagle, specforge (k 7, decay 0.8) | speculators (3, 1.0) | modelopt (3, 0.9) | custom
     )
     ttt_steps: int = 0  # TTT unroll length k; 0 takes the preset's
@@ -73,12 +83,16 @@ class Params(params.Strict):
     max_train_samples: int = 0  # cap on training sequences; 0 means all
     max_eval_samples: int = 64  # held-out sequences for the final acc table; 0 means all
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocab
-    attention: str = (
+    attention: Literal["auto", "eager", "sdpa"] = (
         "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | auto
     )
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    precision: Literal["auto", "fp32", "bf16"] = (
+        "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    )
     nproc_per_node: int = 1  # >1: relaunch under torchrun with this many processes
-    distributed: str = "ddp"  # ddp | fsdp (shards drafter, grads and optimizer state; large drafters)
+    distributed: Literal["ddp", "fsdp"] = (
+        "ddp"  # ddp | fsdp (shards drafter, grads and optimizer state; large drafters)
+    )
     checkpoint_every: int = 50  # optimizer steps between checkpoints (and at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept
     resume: bool = (
@@ -88,8 +102,17 @@ class Params(params.Strict):
     log_every: int = 10  # print a progress line every so many steps
     max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before training aborts
     num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    export_dtype: str = "float32"  # float32 | bfloat16 | float16 for the SGLang / speculators exports
+    export_dtype: Literal["float32", "bfloat16", "float16"] = (
+        "float32"  # float32 | bfloat16 | float16 for the SGLang / speculators exports
+    )
     num_speculative_tokens: int = 3  # written into the speculators export's proposal config
+    measure_every: int = 20  # steps between measured-acceptance runs (decoding held-out prompts); 0: never
+    measure_prompts: int = 8  # held-out prompts decoded per measurement
+    measure_new_tokens: int = 32  # tokens generated per prompt per measurement
+    measure_drafts: int = 3  # drafts per verify step when measuring (06's num_steps)
+    final_checkpoint: Literal["last", "best_measured"] = (
+        "last"  # weights in final/: last (the last step's) or best_measured (highest measured tau)
+    )
 
 
 def fingerprint(cfg: params.StageConfig) -> str:
@@ -198,40 +221,7 @@ def _micro_step(model, source, batch, device, autocast: bool, accum: int, sync: 
     return stats.detach()
 
 
-def evaluate(model, source, seqs, p: Params, device, autocast: bool) -> dict:
-    """TTT metrics (teacher-forced acc_i etc.) over held-out sequences, no gradients."""
-    if not seqs:
-        return {}
-    rows = batches.pack([len(s.input_ids) for s in seqs], p.pack_len)
-    total = None
-    model.eval()
-    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-        for i in range(0, len(rows), p.rows_per_batch):
-            batch = batches.make_batch(seqs, rows[i : i + p.rows_per_batch], batches.PAD_TO)
-            aux, tlogits = source(batch)
-            _, stats = model(*_to(batch, device), aux, tlogits)
-            total = stats if total is None else total + stats
-    model.train()
-    return ttt.summarize(total)
-
-
-def _log_row(step, lr, stats, gnorm, tokens, seconds, decay) -> dict:
-    m = ttt.summarize(stats)
-    return {
-        "step": step,
-        "lr": lr,
-        "loss": ttt.weighted_loss(m["loss"], decay),
-        "loss_k": m["loss"],
-        "acc_k": m["acc"],
-        "cond_acc_k": m["cond_acc"],
-        "sim_tau": m["sim_tau"],
-        "grad_norm": gnorm,
-        "tokens": tokens,
-        "seconds": seconds,
-    }
-
-
-def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, config):
+def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, config, meter):
     p, out = cfg.stage, cfg.out("drafter")
     rank, world, _ = distributed.world()
     group = world * p.grad_accum
@@ -268,20 +258,41 @@ def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, c
             sched.step()
         stats = distributed.all_reduce_sum(stats)
         tokens = int(distributed.all_reduce_sum(torch.tensor(tokens, device=device)))
-        row = _log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
+        row = ttt.log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
         row["skipped"] = bad > 0
+        _measure(cfg, model, meter, row, history, fp, config, total)
         history.append(row)
         if distributed.is_main():
             store.append_jsonl(log, [row], fsync=False)
             if (step + 1) % p.log_every == 0 or step == 0:
+                tau = f" measured tau {row['measured_tau']:.2f}" if "measured_tau" in row else ""
                 print(
                     f"step {step + 1}/{total} loss {row['loss']:.4f} acc_0 {row['acc_k'][0]:.3f} "
-                    f"tok/s {tokens / row['seconds']:.0f}",
+                    f"tok/s {tokens / row['seconds']:.0f}{tau}",
                     flush=True,
                 )
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == total:
             checkpoints.save(out, model, opt, sched, step + 1, fp, history, config, p.keep_checkpoints)
     return history
+
+
+def _measure(cfg, model, meter, row, history, fp, config, total) -> None:
+    """Decode the held-out prompts with the current weights (main rank) when due; keep the best weights."""
+    p = cfg.stage
+    prev = history[-1]["elapsed_s"] if history else 0.0
+    row["elapsed_s"] = prev + row["seconds"]
+    if meter is None or not measure.due(row["step"], p.measure_every, total):
+        return
+    if distributed.is_main():
+        drafter = distributed.unwrap(model).drafter
+        m = meter(drafter)
+        row.update(measured_tau=m["tau"], measured_acc=m["acc"], measure_seconds=m["seconds"])
+        row["elapsed_s"] += m["seconds"]
+        top = measure.best(history)
+        if p.final_checkpoint == "best_measured" and (top is None or m["tau"] > top["measured_tau"]):
+            state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+            checkpoints.save_best(cfg.out("drafter"), fp, state, config, row["step"], m["tau"])
+    distributed.barrier()
 
 
 def _autocast(p: Params, device) -> bool:
@@ -340,15 +351,20 @@ def train(cfg: params.StageConfig) -> dict:
     if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
         shutil.rmtree(checkpoints.directory(out, fp))  # asked to start over: only these settings' checkpoints
     distributed.barrier()
-    history = _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, drafter.config)
+    meter, why_not = measure.meter_for(cfg, source, held)
+    history = _loop(
+        cfg, model, opt, sched, source, stream, device, k, decay, total, fp, drafter.config, meter
+    )
     if len(history) < total:  # stop_after_steps: the next run resumes
         stopped = {"stopped_at_step": len(history), "total_steps": total}
         if distributed.is_main():
             store.write_json(out / "stopped.json", stopped)
         distributed.shutdown()
         return stopped
-    heldout = evaluate(model, source, held, p, device, _autocast(p, device))
+    chosen = checkpoints.load_best(out, fp, drafter) if p.final_checkpoint == "best_measured" else None
+    heldout = ttt.evaluate(model, source, held, p.pack_len, p.rows_per_batch, device, _autocast(p, device))
     summary = _summary(history, heldout, vinfo, tally, k, decay, total, world)
+    summary["measured"] = measure.summary(history, chosen, why_not, p)
     _finish(cfg, model, drafter.config, summary, tally, t_start)
     distributed.shutdown()
     return summary
@@ -379,6 +395,7 @@ def _finish(cfg, model, config, summary, tally, t_start) -> None:
         return
     out = cfg.out("drafter")
     save_state(checkpoints.drafter_state(model_state), config, out / "final", {"training": summary})
+    summary["exports"] = _export(cfg, out)
     store.write_json(out / "final" / "summary.json", summary)
     store.write_json(out / "summary.json", summary)
     (out / "stopped.json").unlink(missing_ok=True)
@@ -400,6 +417,26 @@ def _finish(cfg, model, config, summary, tally, t_start) -> None:
             "seconds": time.time() - t_start,
         },
     )
+
+
+def _export(cfg, out: Path) -> dict[str, str]:
+    """drafter/export/{sglang,speculators} from final/ (`eagle_lib.serving.export`); format -> path."""
+    from transformers import AutoConfig
+
+    from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import export
+
+    p, verifier = cfg.stage, models.resolve(cfg.shared.target)
+    arch = AutoConfig.from_pretrained(verifier, trust_remote_code=cfg.shared.trust_remote_code).architectures
+    paths = export.export_all(
+        load_drafter(out / "final"),
+        out / "export",
+        verifier,
+        list(arch or []),
+        p.num_speculative_tokens,
+        p.export_dtype,
+    )
+    return {fmt: str(path) for fmt, path in paths.items()}
 
 
 def main(argv: list[str]) -> None:

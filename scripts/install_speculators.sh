@@ -18,4 +18,10 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q speculators==0.9.0 transformers==5.19.0 hs-connectors==0.9.0 --no-deps
 "$VENV/bin/python" -m pip install -q pydantic pydantic-settings loguru openai datasets rich typer psutil safetensors \
     tokenizers huggingface-hub numpy pyyaml tqdm regex
-"$VENV/bin/python" -c "import speculators, torch, transformers; print('speculators', speculators.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$VENV/bin/python" - <<'PY'
+from importlib.metadata import version  # speculators defines no __version__
+
+import speculators, torch, transformers  # noqa: F401  (imports must work, not only the metadata)
+
+print("speculators", version("speculators"), "torch", torch.__version__, "transformers", transformers.__version__)
+PY

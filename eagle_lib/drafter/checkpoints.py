@@ -1,22 +1,30 @@
-"""Training checkpoints: ``checkpoints/<fingerprint>/step_NNNNNNN/`` = drafter safetensors + ``trainer.pt``
-+ ``COMPLETE``.
+"""Training checkpoints: ``checkpoints/<fingerprint>/step_NNNNNNN/`` = drafter ``model.safetensors`` +
+``optimizer.safetensors`` + ``trainer.json`` + ``COMPLETE``.
 
 Each settings fingerprint (`eagle_lib.train.fingerprint`) has its own directory: a run with changed settings
 starts fresh beside the old checkpoints (nothing is deleted), and going back to earlier settings resumes them.
-``trainer.pt`` holds the full (unsharded, name-keyed) optimizer state, the scheduler state, the step, the
-settings fingerprint and the log history, so a resumed run continues the same curve under any world size.
-``COMPLETE`` is written last: a checkpoint without it (a crash while saving) is ignored.
+The optimizer state is full (unsharded, name-keyed): its tensors go to ``optimizer.safetensors`` under
+``<param name>/<field>`` keys, everything else (param groups, non-tensor state, the scheduler state, the step,
+the settings fingerprint and the log history) to ``trainer.json``, so a resumed run continues the same curve
+under any world size and nothing in a run directory is unpickled. ``COMPLETE`` is written last: a checkpoint
+without it (a crash while saving, or one written in the older ``trainer.pt`` layout) is ignored.
+``best_measured/`` beside the steps holds the drafter with the highest measured tau so far
+(``final_checkpoint: best_measured``).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
-import torch
-
+from eagle_lib import store
 from eagle_lib.drafter import distributed
-from eagle_lib.drafter.model import save_state
+from eagle_lib.drafter.model import WEIGHTS_FILE, load_drafter, save_state
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_FILE = "trainer.json"
+BEST = "best_measured"
 
 
 def drafter_state(model_state: dict) -> dict:
@@ -24,8 +32,35 @@ def drafter_state(model_state: dict) -> dict:
     return {k.removeprefix("drafter."): v for k, v in model_state.items()}
 
 
+def split_optimizer(optim_state: dict) -> tuple[dict, dict]:
+    """(tensors keyed ``name/field``, JSON rest) of a name-keyed optimizer state dict."""
+    import torch
+
+    tensors, rest = {}, {}
+    for name, fields in optim_state["state"].items():
+        for f, v in fields.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{name}/{f}"] = v.detach().contiguous().cpu()
+            else:
+                rest.setdefault(str(name), {})[f] = v
+    return tensors, {"param_groups": optim_state["param_groups"], "scalars": rest}
+
+
+def join_optimizer(tensors: dict, meta: dict) -> dict:
+    """Inverse of `split_optimizer` (param names contain dots, never ``/``)."""
+    state: dict = {}
+    for key, v in tensors.items():
+        name, f = key.rsplit("/", 1)
+        state.setdefault(name, {})[f] = v
+    for name, fields in meta["scalars"].items():
+        state.setdefault(name, {}).update(fields)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
 def save(out: Path, model, opt, sched, step: int, fp: str, history: list, config, keep: int):
     """Write checkpoint ``step`` (a collective under FSDP: call on every rank) and prune old ones."""
+    from safetensors.torch import save_file
+
     model_state, optim_state = distributed.full_state(model, opt)
     if not distributed.is_main():
         return
@@ -33,16 +68,10 @@ def save(out: Path, model, opt, sched, step: int, fp: str, history: list, config
     if ck.exists():
         shutil.rmtree(ck)
     save_state(drafter_state(model_state), config, ck, {"step": step, "fingerprint": fp})
-    torch.save(
-        {
-            "optimizer": optim_state,
-            "scheduler": sched.state_dict(),
-            "step": step,
-            "fingerprint": fp,
-            "history": history,
-        },
-        ck / "trainer.pt",
-    )
+    tensors, meta = split_optimizer(optim_state)
+    save_file(tensors, str(ck / OPTIMIZER_FILE))
+    trainer = {"optimizer": meta, "scheduler": sched.state_dict(), "step": step, "fingerprint": fp}
+    store.write_json(ck / TRAINER_FILE, {**trainer, "history": history})
     (ck / "COMPLETE").write_text(str(step))
     done = complete(out, fp)
     for old in done[:-keep] if keep > 0 else []:
@@ -56,7 +85,11 @@ def directory(out: Path, fp: str) -> Path:
 
 def complete(out: Path, fp: str) -> list[Path]:
     """Complete checkpoints of these settings, oldest first."""
-    return sorted(c for c in directory(out, fp).glob("step_*") if (c / "COMPLETE").exists())
+    return sorted(
+        c
+        for c in directory(out, fp).glob("step_*")
+        if (c / "COMPLETE").exists() and (c / TRAINER_FILE).exists()
+    )
 
 
 def resume(out: Path, model, opt, sched, fp: str) -> tuple[int, list]:
@@ -67,10 +100,30 @@ def resume(out: Path, model, opt, sched, fp: str) -> tuple[int, list]:
     if not done:
         return 0, []
     ck = done[-1]
-    state = torch.load(ck / "trainer.pt", weights_only=False)
+    state = json.loads((ck / TRAINER_FILE).read_text())
     if state["fingerprint"] != fp:
-        raise ValueError(f"{ck / 'trainer.pt'}: fingerprint {state['fingerprint']} in the directory of {fp}")
-    weights = {f"drafter.{k}": v for k, v in load_file(str(ck / "model.safetensors")).items()}
-    distributed.load_full_state(model, opt, weights, state["optimizer"])
+        raise ValueError(f"{ck / TRAINER_FILE}: fingerprint {state['fingerprint']} in the directory of {fp}")
+    weights = {f"drafter.{k}": v for k, v in load_file(str(ck / WEIGHTS_FILE)).items()}
+    optim = join_optimizer(load_file(str(ck / OPTIMIZER_FILE)), state["optimizer"])
+    distributed.load_full_state(model, opt, weights, optim)
     sched.load_state_dict(state["scheduler"])
     return state["step"], state["history"]
+
+
+def save_best(out: Path, fp: str, state: dict, config, step: int, tau: float) -> Path:
+    """Replace ``best_measured/`` with this drafter state (measured tau ``tau`` after ``step``)."""
+    best = directory(out, fp) / BEST
+    (best / "COMPLETE").unlink(missing_ok=True)
+    save_state(state, config, best, {"step": step, "measured_tau": tau, "fingerprint": fp})
+    (best / "COMPLETE").write_text(str(step))
+    return best
+
+
+def load_best(out: Path, fp: str, drafter) -> int | None:
+    """Load ``best_measured/`` into ``drafter``; returns its step (None when there is none)."""
+    best = directory(out, fp) / BEST
+    if not (best / "COMPLETE").exists():
+        return None
+    saved = load_drafter(best, device=next(drafter.parameters()).device)
+    drafter.load_state_dict(saved.state_dict())
+    return int((best / "COMPLETE").read_text())

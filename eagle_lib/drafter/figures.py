@@ -1,4 +1,4 @@
-"""Stage 05 report pieces for the notebook: curves, vocab coverage, acc table, exports, headline numbers."""
+"""Stage 05 report pieces for the notebook: answer, curves, measured tau, vocab coverage, acc table, exports."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eagle_lib import models, store
+from eagle_lib import store
 
 
 def _drafter_dir(cfg) -> Path:
@@ -73,30 +73,70 @@ def acc_table(summary: dict) -> pd.DataFrame:
     ).set_index("ttt_step")
 
 
-def export(cfg) -> pd.DataFrame:
-    """Write drafter/export/{sglang,speculators} from final/ with eagle_lib.serving.export; table of the paths."""
-    from transformers import AutoConfig
-
-    from eagle_lib.drafter.model import load_drafter
-    from eagle_lib.serving import export as exporter
-
-    p = cfg.stage
-    model = load_drafter(_drafter_dir(cfg) / "final")
-    verifier = models.resolve(cfg.shared.target)
-    arch = AutoConfig.from_pretrained(verifier, trust_remote_code=cfg.shared.trust_remote_code).architectures
-    paths = exporter.export_all(
-        model,
-        _drafter_dir(cfg) / "export",
-        verifier,
-        list(arch or []),
-        p.num_speculative_tokens,
-        p.export_dtype,
-    )
+def export_table(summary: dict) -> pd.DataFrame:
+    """The exports `eagle_lib.train.run` wrote (drafter/export/{sglang,speculators}): format, path, files."""
     return pd.DataFrame(
         [
-            {"format": k, "path": str(v), "files": sorted(f.name for f in Path(v).iterdir())}
-            for k, v in paths.items()
+            {"format": k, "path": v, "files": sorted(f.name for f in Path(v).iterdir())}
+            for k, v in summary.get("exports", {}).items()
         ]
+    )
+
+
+def measured_curve(cfg):
+    """Figure: measured tau (held-out prompts decoded during training) against steps and wall minutes."""
+    import matplotlib.pyplot as plt
+
+    log = [r for r in store.read_jsonl(_drafter_dir(cfg) / "train_log.jsonl") if "measured_tau" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    if not log:
+        for ax in axes:
+            ax.text(0.5, 0.5, "no measurement (measure_every: 0 or no target in process)", ha="center")
+        plt.close(fig)
+        return fig
+    k = len(log[0]["measured_acc"])
+    tau = [r["measured_tau"] for r in log]
+    axes[0].plot([r["step"] for r in log], tau, marker="o")
+    axes[0].set(title=f"measured tau ({k} drafts, held-out prompts)", xlabel="optimizer step", ylabel="tau")
+    axes[1].plot([r["elapsed_s"] / 60 for r in log], tau, marker="o")
+    axes[1].set(title="measured tau against training time", xlabel="wall minutes (steps + measurements)")
+    for ax in axes:
+        ax.axhline(k + 1, color="k", ls=":", lw=1)
+        ax.set_ylim(1, k + 1.1)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def answer(summary: dict):
+    """The report's answer, displayed as Markdown (bold), from `answer_text`."""
+    from IPython.display import Markdown
+
+    return Markdown(f"**{answer_text(summary)}**")
+
+
+def answer_text(summary: dict) -> str:
+    """The report's first sentence: held-out acc_0, measured tau and the budget it took."""
+    if "stopped_at_step" in summary:
+        return (
+            f"Training stopped at step {summary['stopped_at_step']} of {summary['total_steps']} "
+            "(stop_after_steps): run the stage again to resume."
+        )
+    held = summary.get("heldout") or {}
+    acc0 = (held.get("acc") or [float("nan")])[0]
+    m = summary.get("measured") or {}
+    if "final_tau" in m:
+        minutes = m["elapsed_s"] / 60
+        tau = (
+            f"measured tau {m['final_tau']:.2f} at {m['drafts']} drafts after {summary['steps']} steps "
+            f"({minutes:.1f} min; best {m['best_tau']:.2f} at step {m['best_step']}, "
+            f"final weights from step {m['final_weights_step']})"
+        )
+    else:
+        tau = f"tau not measured during training ({m.get('skipped', 'measure_every: 0')}; 06 measures it)"
+    return (
+        f"Held-out acc_0 {acc0:.2f} (teacher-forced; majority-token baseline "
+        f"{summary['vocab']['majority_share']:.2f}), {tau}, draft vocab coverage {summary['vocab']['coverage']:.3f}."
     )
 
 
@@ -123,4 +163,7 @@ def headline(summary: dict) -> dict:
         "heldout_chain_tau": held.get("chain_tau"),
         "baseline_acc_majority_token": summary["vocab"]["majority_share"],
         "vocab_coverage": summary["vocab"]["coverage"],
+        "measured_tau": (summary.get("measured") or {}).get("final_tau"),
+        "measured_best_tau": (summary.get("measured") or {}).get("best_tau"),
+        "measured_elapsed_s": (summary.get("measured") or {}).get("elapsed_s"),
     }

@@ -169,3 +169,40 @@ def summarize(stats: torch.Tensor) -> dict:
 def weighted_loss(per_step: list[float], decay: float) -> float:
     """The scalar training loss from per-step mean losses (for logs)."""
     return float(sum(decay**i * x for i, x in enumerate(per_step) if x == x))
+
+
+def log_row(step, lr, stats, gnorm, tokens, seconds, decay) -> dict:
+    """One train_log.jsonl line from a step's summed stats (k, N_STATS)."""
+    m = summarize(stats)
+    return {
+        "step": step,
+        "lr": lr,
+        "loss": weighted_loss(m["loss"], decay),
+        "loss_k": m["loss"],
+        "acc_k": m["acc"],
+        "cond_acc_k": m["cond_acc"],
+        "sim_tau": m["sim_tau"],
+        "grad_norm": gnorm,
+        "tokens": tokens,
+        "seconds": seconds,
+    }
+
+
+def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, autocast: bool) -> dict:
+    """TTT metrics (teacher-forced acc_i etc.) of ``model`` (a TTT module) over held-out sequences."""
+    from eagle_lib.drafter import batches
+
+    if not seqs:
+        return {}
+    rows = batches.pack([len(s.input_ids) for s in seqs], pack_len)
+    total = None
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+        for i in range(0, len(rows), rows_per_batch):
+            batch = batches.make_batch(seqs, rows[i : i + rows_per_batch], batches.PAD_TO)
+            aux, tlogits = source(batch)
+            x = [t.to(device) for t in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)]
+            _, stats = model(*x, aux, tlogits)
+            total = stats if total is None else total + stats
+    model.train()
+    return summarize(total)

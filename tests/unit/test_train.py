@@ -193,7 +193,7 @@ def test_resume_continues_the_same_run(world, tmp_path):
     assert part == {"stopped_at_step": 3, "total_steps": 6}
     ck = sorted((cut_dir / "drafter/checkpoints").glob("*/step_*"))
     assert [c.name for c in ck] == ["step_0000002"]  # step 3 was not checkpointed: resume from 2
-    assert {"model.safetensors", "trainer.pt", "COMPLETE"} <= {p.name for p in ck[0].iterdir()}
+    assert {"model.safetensors", "optimizer.safetensors", "trainer.json", "COMPLETE"} <= {p.name for p in ck[0].iterdir()}
     resumed = train.run(eagle_tiny.stage_config(cut_dir, root / "target"))
     a = store.read_jsonl(full_dir / "drafter/train_log.jsonl")
     b = store.read_jsonl(cut_dir / "drafter/train_log.jsonl")
