@@ -11,17 +11,16 @@ whose tail is quoted in every error.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from eagle_lib.engines import client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # environment variable overriding the vLLM interpreter
@@ -96,11 +95,6 @@ class VllmServer:
         self.stop()
 
 
-def _get_json(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
-
-
 def wait_ready(srv: VllmServer, timeout_s: float) -> None:
     """Poll /health and /v1/models until the server answers; raise with the log tail if it dies or times out."""
     deadline = time.monotonic() + timeout_s
@@ -111,11 +105,11 @@ def wait_ready(srv: VllmServer, timeout_s: float) -> None:
                 f"command: {' '.join(srv.cmd)}\nlog {srv.log_path}:\n{srv.log_tail()}"
             )
         try:
-            _get_json(srv.base_url + "/health")
-            models = _get_json(srv.base_url + "/v1/models")
+            client.request(srv.base_url + "/health", timeout=5.0)
+            models = client.get_json(srv.base_url + "/v1/models", timeout=5.0)
             if models and models.get("data"):
                 return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+        except client.ServerError:  # not listening yet, or still loading
             pass
         time.sleep(1.0)
     srv.stop()
