@@ -49,18 +49,30 @@ _NOT_IN_FINGERPRINT = {
     "measure_new_tokens",
     "measure_drafts",
     "final_checkpoint",
+    "tensor_parallel_size",
+    "num_producers",
+    "max_buffer_gb",
+    "keep_hidden_states",
+    "start_producers",
 }
 
 
 class Params(params.Strict):
     """Stage 05 parameters (defaults train the toy drafter in a few CPU minutes)."""
 
-    hidden_source: Literal["online", "offline"] = (
-        "online"  # online: run the HF target | offline: engine dumps in hidden_dump_dir
+    hidden_source: Literal["online", "offline", "vllm"] = (
+        "online"  # online: run the HF target | offline: engine dumps in hidden_dump_dir | vllm: engine prefill
     )
     hidden_dump_dir: str = (
         ""  # dir of hs_{i}.safetensors (token_ids [T], hidden_states [T, 4, H]); offline only
     )
+    # vllm (eagle_lib.drafter.engine_hidden): producers stream units into hidden_dump_dir or drafter/hidden_buffer
+    tensor_parallel_size: int = 1  # vLLM tensor parallel size of each producer
+    num_producers: int = 1  # vLLM producers (data parallel), each with its share of max_buffer_gb
+    max_buffer_gb: float = 2.0  # bound on unconsumed hidden states (+ in-flight writes) in the buffer
+    keep_hidden_states: bool = False  # keep consumed units (a rerun of the same plan reuses them)
+    hidden_dtype: Literal["float32", "bfloat16"] = "float32"  # storage dtype of the buffered hidden states
+    start_producers: bool = True  # false: producers are started by hand (a cluster) on the buffer dir
     aux_layers: list[int] = []  # target decoder layers (0-based) feeding fc; empty means [1, L//2-1, L-4]
     draft_vocab_size: int = 512  # N: lm_head over the N most frequent label tokens
     ttt_preset: Literal["eagle", "specforge", "speculators", "modelopt", "custom"] = (
@@ -158,6 +170,10 @@ def _source(cfg, device, hf_config):
         text = hf_config.get_text_config()
         src = hidden.OfflineHidden(p.hidden_dump_dir, head, text.hidden_size, device)
         return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
+    if p.hidden_source == "vllm":
+        from eagle_lib.drafter import engine_hidden
+
+        return engine_hidden.make_source(cfg, device, hf_config, fingerprint(cfg))
     raise params.ParamsError(f"{STAGE}: hidden_source {p.hidden_source!r}: choose online or offline")
 
 
@@ -364,6 +380,8 @@ def train(cfg: params.StageConfig) -> dict:
     chosen = checkpoints.load_best(out, fp, drafter) if p.final_checkpoint == "best_measured" else None
     heldout = ttt.evaluate(model, source, held, p.pack_len, p.rows_per_batch, device, _autocast(p, device))
     summary = _summary(history, heldout, vinfo, tally, k, decay, total, world)
+    if hasattr(source, "summary"):  # vllm: bytes/token, peak buffer, producer vs trainer throughput
+        summary["hidden"] = source.summary()
     summary["measured"] = measure.summary(history, chosen, why_not, p)
     _finish(cfg, model, drafter.config, summary, tally, t_start)
     distributed.shutdown()
