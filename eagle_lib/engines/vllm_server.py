@@ -22,7 +22,7 @@ from pathlib import Path
 
 from eagle_lib.engines import client
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # eagle_lib/engines/ -> the repo
 VLLM_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # environment variable overriding the vLLM interpreter
 
 
