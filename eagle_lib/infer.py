@@ -6,7 +6,10 @@ that got no response, with the reason) and ``meta.json`` (read = kept + rejected
 
 Exactly once: a response is committed when its line is appended (whole batches, fsync). A restart reads the
 committed ids and generates only the others; a torn last line (a crash mid-write) is skipped and redone.
-Records made from other prompts or sampling settings are never mixed in: the run stops and names them.
+Records made from other prompts, sampling settings, another target or other stop ids are never mixed in: the
+run stops and names them, or sets them aside (`engines.resume`). Each dataset's pending prompts are taken in a
+seeded random order, and every start is recorded in ``started.jsonl`` (`engines.ledger`): mid-run, the
+started set is a random sample of the dataset, and 04 knows which responses are still being generated.
 Sharding: ``python -m eagle_lib.infer PARAMS --shard i/n`` on n machines writes
 ``infer/<dataset>/shards/i-of-n/``; the unsharded run (the notebook) merges the shards into responses.jsonl
 and generates whatever is still missing.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
+import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,10 +27,9 @@ from typing import Literal
 
 from eagle_lib import models, params, store
 from eagle_lib.engines.embedded import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling
-
-
-class InferError(RuntimeError):
-    """Bad input or inconsistent earlier output: names the file, the record and the reason."""
+from eagle_lib.engines.ledger import NAME as LEDGER
+from eagle_lib.engines.ledger import Ledger
+from eagle_lib.engines.resume import InferError, Resume, Writer, error_ids, merge_shards, target_identity
 
 
 class Params(params.Strict):
@@ -52,6 +54,8 @@ class Params(params.Strict):
     max_batch_tokens: int = 32768  # embedded: cap on batch rows x (longest prompt + max_new_tokens)
     max_model_len: int = 0  # embedded: context window; 0: the target config's
     write_every: int = 64  # responses per durable append (also flushed every 30 s)
+    ledger_seconds: float = 5.0  # the ledger of started requests is appended at least this often
+    shuffle: bool = True  # take each dataset's prompts in a seeded random order (unbiased mid-run estimates)
     retry_errors: bool = True  # re-run ids that failed in an earlier run
     on_stale: Literal["error", "set_aside"] = "error"  # records of other prompts/sampling: stop | set aside
     max_error_fraction: float = 0.01  # the stage fails (after writing everything) when more prompts error
@@ -111,91 +115,6 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def stale_reason(rec: dict, prompts: dict[str, dict], sampling: dict) -> str:
-    """Why a committed record does not belong to this run ('' when it does)."""
-    p = prompts.get(rec.get("id"))
-    if p is None:
-        return "its id is not in prompts.jsonl"
-    if rec.get("prompt_ids") != p["prompt_ids"]:
-        return "its prompt_ids differ from prompts.jsonl"
-    return (
-        f"it was sampled with {rec.get('sampling')}, this run asks {sampling}"
-        if rec.get("sampling") != sampling
-        else ""
-    )
-
-
-def set_aside(f: Path, ds_dir: Path, prompts: dict[str, dict], sampling: dict) -> int:
-    """Move a file's stale records to <dataset>/stale.jsonl (appended first, then the file replaced atomically)."""
-    keep, stale = [], []
-    for rec in store.iter_jsonl(f):
-        (stale if stale_reason(rec, prompts, sampling) else keep).append(rec)
-    if stale:
-        store.append_jsonl(ds_dir / "stale.jsonl", stale)
-        tmp = f.with_suffix(".jsonl.tmp")
-        tmp.unlink(missing_ok=True)
-        store.append_jsonl(tmp, keep)
-        tmp.touch()
-        os.replace(tmp, f)
-    return len(stale)
-
-
-def load_done(
-    ds_dir: Path, prompts: dict[str, dict], sampling: dict, on_stale: str = "error"
-) -> tuple[dict, int]:
-    """Committed responses (main file first, then shard files): id -> {finish_reason, n_output_tokens, file}.
-
-    A record whose id is not a current prompt, or whose prompt_ids / sampling differ, was made by another run
-    and is never mixed in silently: the run stops naming it (on_stale "error") or moves such records to
-    stale.jsonl ("set_aside"). Returns (done, duplicate lines ignored).
-    """
-    done: dict[str, dict] = {}
-    dups = 0
-    for f in [ds_dir / "responses.jsonl", *sorted(ds_dir.glob("shards/*/responses.jsonl"))]:
-        for rec in store.iter_jsonl(f):
-            if why := stale_reason(rec, prompts, sampling):
-                if on_stale == "set_aside":
-                    set_aside(f, ds_dir, prompts, sampling)
-                    return load_done(ds_dir, prompts, sampling, on_stale)
-                raise InferError(f"{f}: record {rec.get('id')!r} is stale: {why}. Set on_stale: set_aside, move "
-                                 f"{ds_dir} away or restore the params that made it (nothing was deleted).")  # fmt: skip
-            if rec["id"] in done:
-                dups += 1
-                continue
-            done[rec["id"]] = {
-                "finish_reason": rec["finish_reason"],
-                "n_output_tokens": rec["n_output_tokens"],
-                "file": f,
-            }
-    return done, dups
-
-
-def merge_shards(ds_dir: Path, done: dict[str, dict], batch: int = 1000) -> int:
-    """Append shard responses not yet in the main responses.jsonl to it (idempotent, crash-safe)."""
-    main = ds_dir / "responses.jsonl"
-    n = 0
-    for f in sorted(ds_dir.glob("shards/*/responses.jsonl")):
-        buf = []
-        for rec in store.iter_jsonl(f):
-            if done[rec["id"]]["file"] == f:
-                buf.append(rec)
-                done[rec["id"]]["file"] = main
-            if len(buf) >= batch:
-                n += store.append_jsonl(main, buf)
-                buf = []
-        n += store.append_jsonl(main, buf)
-    return n
-
-
-def error_ids(ds_dir: Path) -> dict[str, dict]:
-    """Latest error record per id over errors.jsonl and the shards' errors.jsonl."""
-    out: dict[str, dict] = {}
-    for f in [ds_dir / "errors.jsonl", *sorted(ds_dir.glob("shards/*/errors.jsonl"))]:
-        for rec in store.iter_jsonl(f):
-            out[rec["id"]] = rec
-    return out
-
-
 def resolve_stop_ids(cfg: params.StageConfig, tokenizer, model=None) -> list[int]:
     """stop_token_ids, else the target generation config's eos ids, else the tokenizer's eos id."""
     if cfg.stage.stop_token_ids:
@@ -243,24 +162,6 @@ def make_engine(cfg: params.StageConfig, tokenizer):
                model=p.served_model)  # fmt: skip
 
 
-class Writer:
-    """Buffers records and appends them durably every `every` records or `seconds`."""
-
-    def __init__(self, path: Path, every: int, seconds: float = 30.0):
-        self.path, self.every, self.seconds = path, max(1, every), seconds
-        self.buf: list[dict] = []
-        self.last = time.monotonic()
-
-    def add(self, rec: dict) -> None:
-        self.buf.append(rec)
-        if len(self.buf) >= self.every or time.monotonic() - self.last > self.seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        store.append_jsonl(self.path, self.buf)
-        self.buf, self.last = [], time.monotonic()
-
-
 def _progress(enabled: bool, total: int, name: str):
     from tqdm import tqdm
 
@@ -269,17 +170,29 @@ def _progress(enabled: bool, total: int, name: str):
     )
 
 
-def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: Params, name: str) -> dict:
+def pending_order(pending: list[dict], seed: int, name: str, shuffle: bool = True) -> list[dict]:
+    """The prompts in a seeded random order per dataset (same seed, same order on every machine and restart)."""
+    out = list(pending)
+    if shuffle:
+        random.Random(f"{seed}:{name}").shuffle(out)
+    return out
+
+
+def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: Params, name: str,
+                     identity: dict | None = None) -> dict:  # fmt: skip
     """Run the engine over the pending prompts, committing responses and errors; returns run counters."""
+    ledger = Ledger(out_dir / LEDGER, p.ledger_seconds)
     responses, errors = (
-        Writer(out_dir / "responses.jsonl", p.write_every),
-        Writer(out_dir / "errors.jsonl", 1),
+        Writer(out_dir / "responses.jsonl", p.write_every, before=ledger.flush),
+        Writer(out_dir / "errors.jsonl", 1, before=ledger.flush),
     )
     by_id = {r["id"]: r for r in pending}
-    sampling = engine.sampling.record()
+    sampling, stop = engine.sampling.record(), list(engine.sampling.stop_token_ids)
     stats = {"generated": 0, "errors": 0, "generated_tokens": 0, "retries": 0}
     t0 = time.monotonic()
     bar = _progress(p.progress, len(pending), name)
+    engine.on_start = ledger.started
+    ledger.start()
     try:
         for item in engine.generate([Request(r["id"], r["prompt_ids"]) for r in pending]):
             src = by_id[item.id]
@@ -290,7 +203,8 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
                     "output_ids": item.output_ids, "text": tokenizer.decode(item.output_ids, skip_special_tokens=False),
                     "finish_reason": item.finish_reason, "n_prompt_tokens": len(src["prompt_ids"]),
                     "n_output_tokens": len(item.output_ids), "sampling": sampling, "engine": engine.name,
-                    "server": item.server, "latency_s": round(item.latency_s, 4),
+                    "target": identity, "stop_token_ids": stop, "server": item.server or engine.name,
+                    "latency_s": round(item.latency_s, 4), "finished_at": round(time.time(), 3),
                 })  # fmt: skip
                 stats["generated"] += 1
                 stats["generated_tokens"] += len(item.output_ids)
@@ -306,6 +220,8 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
                 f"{stats['generated_tokens'] / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False
             )
     finally:
+        ledger.close()
+        engine.on_start = None
         responses.flush()
         errors.flush()
         bar.close()
@@ -314,7 +230,8 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
     return stats
 
 
-def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tuple[int, int] | None) -> dict:
+def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tuple[int, int] | None,
+                identity: dict | None = None) -> dict:  # fmt: skip
     """Regenerate one dataset's missing responses; returns its meta (also written to meta.json)."""
     started = time.time()
     p = cfg.stage
@@ -326,15 +243,20 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
     selected = [
         r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]
     ]
-    done, dups = load_done(ds_dir, prompts, engine.sampling.record(), p.on_stale)
+    resume = Resume(ds_dir, prompts, engine.sampling.record(), identity, list(engine.sampling.stop_token_ids))
+    done, dups, moved = resume.load(p.on_stale)
+    if moved:
+        print(f"03_infer {name}: set aside {moved} record(s) made by another target, stop ids, sampling or "
+              f"prompts -> {ds_dir / 'stale.jsonl'}")  # fmt: skip
     merged = merge_shards(ds_dir, done) if shard is None else 0
     failed_before = error_ids(ds_dir)
     pending = [
         r for r in selected if r["id"] not in done and (p.retry_errors or r["id"] not in failed_before)
     ]
+    pending = pending_order(pending, cfg.shared.seed, name, p.shuffle)
     resumed = sum(r["id"] in done for r in selected)
-    stats = generate_pending(engine, pending, tokenizer, out_dir, p, name)
-    done, dups = load_done(ds_dir, prompts, engine.sampling.record())
+    stats = generate_pending(engine, pending, tokenizer, out_dir, p, name, identity)
+    done, dups, _ = resume.load()
     errs = error_ids(ds_dir)
     kept = [done[r["id"]] for r in selected if r["id"] in done]
     rejected = [errs[r["id"]] for r in selected if r["id"] not in done and r["id"] in errs]
@@ -349,7 +271,7 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
         "finish_reason": dict(Counter(k["finish_reason"] for k in kept)),
         "output_tokens": sum(n_out), "mean_output_tokens": round(sum(n_out) / max(len(n_out), 1), 2),
         "max_output_tokens": max(n_out, default=0), "resumed": resumed, "merged_from_shards": merged,
-        "duplicates_ignored": dups, **stats, "engine": engine.name, "sampling": engine.sampling.record(),
+        "duplicates_ignored": dups, "set_aside": moved, **stats, "engine": engine.name, "target": identity, "sampling": engine.sampling.record(),
         "stop_token_ids": list(engine.sampling.stop_token_ids), "shard": f"{shard[0]}/{shard[1]}" if shard else None,
         "input": {"path": str(src), "sha256": file_sha256(src)}, "params": p.model_dump(mode="json"),
         "started": started, "finished": time.time(), "seconds": round(time.time() - started, 3),
@@ -370,11 +292,12 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
         probe = engine.check(tokenizer)
     except EngineError as e:
         raise InferError(f"03_infer: {e}") from None
-    metas = {n: run_dataset(cfg, n, engine, tokenizer, where) for n in names}
+    identity = target_identity(engine, cfg.shared, probe)
+    metas = {n: run_dataset(cfg, n, engine, tokenizer, where, identity) for n in names}
     keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens", "generate_seconds")
     total = {k: sum(m[k] for m in metas.values()) for k in keys}
     meta = total | {
-        "dropped": {}, "datasets": metas, "probe": probe, "shard": shard or None,
+        "dropped": {}, "datasets": metas, "probe": probe, "shard": shard or None, "target": identity,
         "tokens_per_s": round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 2),
         "finish_reason": dict(sum((Counter(m["finish_reason"]) for m in metas.values()), Counter())),
         "params": cfg.stage.model_dump(mode="json"), "shared": cfg.shared.model_dump(mode="json"),

@@ -158,7 +158,12 @@ class _Rows:
 
 
 class EmbeddedEngine:
-    """The target in-process: batched decoding with a KV cache, longest prompts first, continuous batching.
+    """The target in-process: batched decoding with a KV cache, continuous batching.
+
+    Prompts are taken in the order given (03 shuffles them, so the started set is a random sample of the
+    dataset), sorted longest first only within windows of `window_batches` x batch_size prompts: batching by
+    length saves padding, and the window keeps the order random at any larger scale. `on_start(id, server)`,
+    when set, is called as each prompt joins the batch (03's ledger of started requests).
 
     Finished rows leave the batch at once and waiting prompts take their place (prefilled together, then
     merged into the running batch), so the batch stays full until the queue is empty. Greedy output equals
@@ -168,10 +173,11 @@ class EmbeddedEngine:
     """
 
     name = "embedded"
+    on_start = None  # callable(id, server) or None
 
     def __init__(self, model, sampling: Sampling, batch_size: int = 16, max_batch_tokens: int = 16384,
-                 max_model_len: int = 0):  # fmt: skip
-        self.model, self.sampling = model, sampling
+                 max_model_len: int = 0, window_batches: int = 4):  # fmt: skip
+        self.model, self.sampling, self.window_batches = model, sampling, max(1, window_batches)
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
         self.max_model_len = max_model_len or int(
             getattr(model.config, "max_position_embeddings", 0) or 1 << 30
@@ -197,7 +203,12 @@ class EmbeddedEngine:
                 yield Failure(r.id, "empty_prompt", "no prompt tokens")
             else:
                 fits.append(r)
-        yield from self._decode(deque(sorted(fits, key=lambda r: len(r.prompt_ids), reverse=True)))
+        w = self.window_batches * self.batch_size
+        windows = [
+            sorted(fits[i : i + w], key=lambda r: len(r.prompt_ids), reverse=True)
+            for i in range(0, len(fits), w)
+        ]
+        yield from self._decode(deque(r for win in windows for r in win))
 
     def _admit(self, queue: deque, rows: _Rows | None) -> list[Request]:
         """Next prompts to join: up to batch_size rows and max_batch_tokens of rows x (width + max_new_tokens)."""
@@ -236,6 +247,8 @@ class EmbeddedEngine:
         while queue or rows:
             refill = rows is None or (len(rows) <= self.batch_size // 2 and rows.mergeable())
             if queue and refill and (new := self._admit(queue, rows)):
+                for r in new if self.on_start else ():
+                    self.on_start(r.id, self.name)
                 fresh, fresh_logits = self._prefill(new)
                 if rows is None:
                     rows, logits = fresh, fresh_logits

@@ -68,6 +68,7 @@ class HttpEngine(abc.ABC):
 
     name = "http"
     path = ""
+    on_start = None  # callable(id, server url) or None: called at each attempt (03's ledger)
 
     def __init__(
         self,
@@ -247,6 +248,8 @@ class HttpEngine(abc.ABC):
             except TimeoutError:
                 continue  # other workers may still put retried requests back
             t0 = t0 or time.monotonic()  # latency counts from the first attempt, retries included
+            if self.on_start:
+                self.on_start(req.id, url)  # 03's ledger: every attempt (readers keep the latest start)
             try:
                 data = await self.request_json(session, "POST", url + self.path, self.payload(req))
                 ids, finish = self.parse(req, data)

@@ -95,7 +95,15 @@ class CrashAfter:
 
     def __init__(self, engine, n: int):
         self.engine, self.n = engine, n
-        self.name, self.sampling = engine.name, engine.sampling
+        self.name, self.sampling, self.model = engine.name, engine.sampling, engine.model
+
+    @property
+    def on_start(self):
+        return self.engine.on_start
+
+    @on_start.setter
+    def on_start(self, hook):
+        self.engine.on_start = hook  # the wrapped engine records the starts in the ledger
 
     def check(self, tok):
         return self.engine.check(tok)
