@@ -201,6 +201,7 @@ class VllmHidden:
         if off != hs.shape[0]:
             raise ValueError(f"{path}: {hs.shape[0]} positions for {off} planned tokens")
         self.stats["tokens"] += off
+        store.append_jsonl(self.buf / "served.jsonl", [{"unit": u, "pid": os.getpid()}], fsync=False)
         self.stats["bytes"] += path.stat().st_size
         if not self.keep:
             path.unlink()

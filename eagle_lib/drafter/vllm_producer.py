@@ -28,35 +28,48 @@ from pathlib import Path
 from eagle_lib.drafter import hidden_buffer as hb
 
 
-def engine(cfg: dict, scratch: Path):
-    """A `vllm.LLM` that captures ``cfg['layer_ids']`` during prefill and writes them under ``scratch``."""
-    from vllm import LLM
+class VllmPrefill:
+    """A `vllm.LLM` that captures ``cfg['layer_ids']`` during prefill; its connector writes under ``scratch``."""
 
-    if cfg["connector"] == "cpu":
-        from eagle_lib.drafter import vllm_connector
+    def __init__(self, cfg: dict, scratch: Path):
+        from vllm import LLM
 
-        conn = {"kv_connector": vllm_connector.CLASS, "kv_connector_module_path": vllm_connector.MODULE}
-    else:  # vLLM's own (CUDA streams, pinned memory, a writer thread pool)
-        conn = {"kv_connector": "ExampleHiddenStatesConnector"}
-    conn.update(kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": str(scratch)})
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": cfg["layer_ids"]}},
-    }
-    return LLM(
-        model=cfg["target"],
-        dtype=cfg["model_dtype"],
-        tensor_parallel_size=cfg["tensor_parallel_size"],
-        max_model_len=cfg["max_model_len"],
-        trust_remote_code=cfg["trust_remote_code"],
-        enforce_eager=cfg["connector"] == "cpu",
-        enable_prefix_caching=False,  # every request's hidden states come from its own prefill
-        skip_tokenizer_init=True,
-        speculative_config=spec,
-        kv_transfer_config=conn,
-        seed=0,
-    )
+        if cfg["connector"] == "cpu":
+            from eagle_lib.drafter import vllm_connector
+
+            conn = {"kv_connector": vllm_connector.CLASS, "kv_connector_module_path": vllm_connector.MODULE}
+        else:  # vLLM's own (CUDA streams, pinned memory, a writer thread pool)
+            conn = {"kv_connector": "ExampleHiddenStatesConnector"}
+        conn.update(kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": str(scratch)})
+        spec = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": cfg["layer_ids"]}},
+        }
+        self.llm = LLM(
+            model=cfg["target"],
+            dtype=cfg["model_dtype"],
+            tensor_parallel_size=cfg["tensor_parallel_size"],
+            max_model_len=cfg["max_model_len"],
+            trust_remote_code=cfg["trust_remote_code"],
+            enforce_eager=cfg["connector"] == "cpu",
+            enable_prefix_caching=False,  # every request's hidden states come from its own prefill
+            skip_tokenizer_init=True,
+            speculative_config=spec,
+            kv_transfer_config=conn,
+            seed=0,
+        )
+
+    def prefill(self, seqs: list[list[int]]) -> list[str]:
+        """One request per sequence, max_tokens 1 (no decoding): the per-request hidden-state files, in order."""
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
+        paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
+        if None in paths:
+            raise RuntimeError(f"vLLM returned no hidden_states_path for request {paths.index(None)}")
+        return paths
 
 
 def read_request_file(path: str) -> dict:
@@ -73,6 +86,9 @@ def read_request_file(path: str) -> dict:
         data = load_file(path, device="cpu")
     os.remove(path)
     return data
+
+
+make_engine = VllmPrefill  # tests substitute an engine with the same prefill()
 
 
 class Producer:
@@ -120,7 +136,7 @@ class Producer:
                     f"share {self.ledger.share} B of max_buffer_gb: raise max_buffer_gb or lower rows_per_batch"
                 )
         self.write_stats("starting")
-        llm = engine(self.cfg, scratch)
+        engine = make_engine(self.cfg, scratch)
         pos = 0
         while pos < len(mine):
             if (self.buf / "STOP").exists() or (self.parent and os.getppid() != self.parent):
@@ -147,31 +163,22 @@ class Producer:
                 continue
             self.ledger.reserve(reserve)
             t0 = time.perf_counter()
-            self.produce(llm, batch)
+            self.produce(engine, batch)
             self.stats["busy_s"] += time.perf_counter() - t0
             pos += len(batch)
             self.write_stats("running")
         self.write_stats("done")
 
-    def produce(self, llm, batch: list[int]) -> None:
+    def produce(self, engine, batch: list[int]) -> None:
         import torch
         from safetensors.torch import save_file
-        from vllm import SamplingParams, TokensPrompt
 
-        idx = [i for u in batch for i in self.units[u]]
-        prompts = [TokensPrompt(prompt_token_ids=self.seqs[i]) for i in idx]
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        got = iter(outs)
+        got = iter(engine.prefill([self.seqs[i] for u in batch for i in self.units[u]]))
         dtype = getattr(torch, self.cfg["storage_dtype"])
         for u in batch:
             parts, lengths = [], []
             for i in self.units[u]:
-                out = next(got)
-                path = (out.kv_transfer_params or {}).get("hidden_states_path")
-                if path is None:
-                    raise RuntimeError(f"vLLM returned no hidden_states_path for sequence {i} (unit {u})")
-                data = read_request_file(path)
+                data = read_request_file(next(got))
                 ids = data["token_ids"].tolist()
                 if ids != self.seqs[i]:
                     raise RuntimeError(

@@ -1,0 +1,151 @@
+"""The vllm hidden source without vLLM: producer accounting + regrouping and the trainer-side consumer.
+
+The real `vllm_producer.Producer` runs in a thread with an engine that answers ``prefill`` from
+transformers (``output_hidden_states`` + a hook on the last decoder layer: an independent capture), and the
+consumer (`engine_hidden.VllmHidden`) must return what `hidden.OnlineHidden` computes, while the producer
+never holds more than the buffer bound. tests/server/test_vllm_hidden.py runs the same with real vLLM.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle_lib import store
+from eagle_lib.drafter import engine_hidden, hidden, vllm_producer
+from eagle_lib.drafter import hidden_buffer as hb
+from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from tests.support import eagle_tiny
+
+torch.set_num_threads(1)
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = eagle_tiny.make_target(tmp_path_factory.mktemp("tiny"))
+    return path, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+class HFEngine:
+    """``prefill`` like `vllm_producer.VllmPrefill`, computed by transformers: one file per request."""
+
+    def __init__(self, model, ids, scratch):
+        self.model, self.ids, self.scratch, self.n = model, ids, scratch, 0
+
+    @torch.no_grad()
+    def prefill(self, seqs):
+        paths = []
+        for s in seqs:
+            got = {}
+            hook = self.model.model.layers[-1].register_forward_hook(
+                lambda m, i, o, got=got: got.setdefault("x", o[0] if isinstance(o, tuple) else o)
+            )
+            out = self.model(torch.tensor([s]), output_hidden_states=True)
+            hook.remove()
+            layers = [got["x"][0] if i == eagle_tiny.LAYERS else out.hidden_states[i][0] for i in self.ids]
+            path = self.scratch / f"req{self.n}.safetensors"
+            save_file({"hidden_states": torch.stack(layers, 1), "token_ids": torch.tensor(s)}, str(path))
+            paths.append(str(path))
+            self.n += 1
+        return paths
+
+
+def world(n_seqs=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [
+        Sequence(f"s{i}", torch.randint(0, eagle_tiny.VOCAB, (int(t),), generator=g).tolist(), [1] * int(t))
+        for i, t in enumerate(torch.randint(5, 20, (n_seqs,), generator=g))
+    ]
+    rows = [[i, i + 1] for i in range(0, n_seqs, 2)]  # 2 sequences per row, 1 row per unit
+    batches = [make_batch(seqs, [r], PAD_TO) for r in rows]
+    units = [[k for row in b.segments for k, _, _ in row] for b in batches]
+    return seqs, batches, units, {seq_key(s.input_ids): s.input_ids for s in seqs}
+
+
+def producer_cfg(target_dir, ids, max_bytes):
+    return {
+        "target": str(target_dir), "layer_ids": ids, "num_layers": eagle_tiny.LAYERS, "hidden_size": 64,
+        "model_dtype": "float32", "storage_dtype": "float32", "tensor_parallel_size": 1, "max_model_len": 64,
+        "trust_remote_code": False, "connector": "cpu", "units_per_call": 4, "max_buffer_bytes": max_bytes,
+    }  # fmt: skip
+
+
+def test_layer_ids_map_decoder_layers_to_hf_indices():
+    assert engine_hidden.layer_ids([1, 3, 4], 8) == [2, 4, 5, 8]
+    assert engine_hidden.layer_ids([4, 1, 3], 8) == [2, 4, 5, 8]  # vLLM sorts its aux ids
+    with pytest.raises(ValueError, match="outside"):
+        engine_hidden.layer_ids([1, 3, 8], 8)
+
+
+def test_streamed_units_equal_online_and_respect_the_bound(target, tmp_path, monkeypatch):
+    path, model = target
+    seqs, batches, units, tokens = world()
+    ids = engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)
+    per_unit = [
+        hb.shard_bytes(sum(len(tokens[k]) for k in u), len(u), len(ids), 64, "float32")
+        + hb.scratch_bytes([len(tokens[k]) for k in u], len(ids), 64, "float32")
+        for u in units
+    ]
+    bound = max(per_unit) + min(per_unit)  # room for one unit in flight and little else: the producer blocks
+    from transformers import AutoModelForCausalLM
+
+    own = AutoModelForCausalLM.from_pretrained(
+        path
+    ).eval()  # the producer thread's copy (hooks are per model)
+    monkeypatch.setattr(vllm_producer, "make_engine", lambda cfg, scratch: HFEngine(own, ids, scratch))
+    head = hidden.load_target_head(str(path), model.config)
+    src = engine_hidden.VllmHidden(
+        tmp_path / "buf", units, tokens, 0, ids, AUX, head, 64, torch.device("cpu"),
+        producer_cfg=producer_cfg(path, ids, bound), start_producers=False,
+    )  # fmt: skip
+    prod = vllm_producer.Producer(tmp_path / "buf", 0, 1)
+    errors = []
+    thread = threading.Thread(target=lambda: _run(prod, errors))
+    thread.start()
+    online = hidden.OnlineHidden(model, AUX)
+    try:
+        for b in batches:
+            time.sleep(0.3)  # a slow trainer: the producer fills the buffer to its bound and waits
+            aux, logits = src(b)
+            ref_aux, ref_logits = online(b)
+            real = b.doc_ids >= 0
+            torch.testing.assert_close(aux[real], ref_aux[real], rtol=0, atol=1e-4)
+            torch.testing.assert_close(logits[real], ref_logits[real], rtol=0, atol=1e-4)
+    finally:
+        thread.join(timeout=30)
+    assert not errors, errors
+    stats = hb.read_json(tmp_path / "buf" / "producer_0.json")
+    assert stats["state"] == "done" and stats["units"] == len(units)
+    assert 0 < stats["peak_buffer_bytes"] <= bound
+    assert src.summary()["observed_peak_buffer_bytes"] <= bound
+    assert stats["blocked_s"] > 0  # the bound was reached and held
+    assert not list((tmp_path / "buf").glob("unit_*"))  # consumed units are deleted
+    assert [r["unit"] for r in store.read_jsonl(tmp_path / "buf" / "served.jsonl")] == list(range(len(units)))
+
+
+def _run(prod, errors):
+    try:
+        prod.run()
+    except BaseException as e:  # surfaced by the test thread
+        errors.append(repr(e))
+
+
+def test_out_of_plan_call_and_oversized_unit_fail_clearly(target, tmp_path):
+    path, model = target
+    seqs, batches, units, tokens = world(4)
+    ids = engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)
+    head = hidden.load_target_head(str(path), model.config)
+    src = engine_hidden.VllmHidden(
+        tmp_path / "buf", units, tokens, 0, ids, AUX, head, 64, torch.device("cpu"),
+        producer_cfg=producer_cfg(path, ids, 1000), start_producers=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="not planned unit 0"):
+        src(batches[1])
+    with pytest.raises(SystemExit, match="raise max_buffer_gb"):
+        vllm_producer.Producer(tmp_path / "buf", 0, 1).run()
+    src.close()
