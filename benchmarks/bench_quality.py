@@ -1,0 +1,351 @@
+"""Drafter quality at equal budget: our stage-05 drafter vs speculators 0.9's Eagle3DraftModel, both by decoding.
+
+Both train on the same toy run's training sequences (``--run-dir``, stages 01-03 done), in the same micro-batches
+(our `BatchStream`, one packed row of ``--pack-len`` tokens per step), with the same hidden states (the toy
+target's aux-layer outputs, computed on each side from the same target weights), the same number of steps and the
+same optimizer and learning-rate schedule (AdamW, linear warmup then cosine to ``lr * min_lr_ratio``, grad clip),
+the same draft vocab map (ours, from the label-token counts) and the same initialisation from the target
+(embedding frozen, lm_head from the target's rows of the draft vocab). Each keeps its own TTT loss: ours (soft
+cross-entropy, preset ``--ours-preset``) and speculators' (its default kl_div, ``ttt_step_loss_decay`` 1.0) at
+matched ``k``. speculators runs with norm_before_residual / norm_before_fc / norm_output off: its trainer turns them
+on by default for eagle3, but our drafter, our exports and the offline decoder implement the original EAGLE-3
+layer, and the comparison decodes both with the same code.
+
+Both drafters are then measured by greedy speculative decoding (`eagle_lib.serving.specdec`, as stage 06) on the
+same held-out prompts, speculators' model loaded through our reader of its own save format
+(`eagle_lib.serving.export.load_export`). Prints tau per side and the ratio ours / speculators.
+
+    .venv/bin/python benchmarks/bench_quality.py [--run-dir outputs/toy] [--steps 80] [--k 3] [--lr 5e-3]
+
+speculators runs in its own venv (`make bench-env`), as in bench_train.py. Wall time is measured on each side
+and includes the target's forward; on a shared CPU it varies with the load, the step counts do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Stage 05's schedule (`eagle_lib.train._schedule`): linear warmup, cosine to min_ratio."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+# --- speculators side (runs in .venv-speculators; imports nothing from eagle_lib) -----------------------------
+def _target_features(target, aux_layers: list[int], ids):
+    """(aux (T, 3H) = outputs of decoder layers aux_layers, last (T, H) = last decoder layer output, pre-norm)."""
+    import torch
+
+    layers = target.model.layers
+    got = {}
+    hooks = [
+        layers[i].register_forward_hook(
+            lambda _m, _i, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i in {*aux_layers, len(layers) - 1}
+    ]
+    with torch.no_grad():
+        target(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return torch.cat([got[i][0] for i in aux_layers], -1), got[len(layers) - 1][0]
+
+
+def _speculators_batch(target, aux_layers, data, m: int):
+    """Micro-batch m as speculators trains on it: each sequence shifted by its `shift_batch`, all in one row."""
+    import torch
+    from speculators.models.eagle3.data import shift_batch
+
+    parts = []
+    for ids, mask in data["steps"][m]:
+        aux, last = _target_features(target, aux_layers, ids)
+        n = len(ids)
+        parts.append(
+            shift_batch(
+                {
+                    "input_ids": torch.tensor(ids),
+                    "hidden_states": aux,
+                    "verifier_last_hidden_states": last,
+                    "loss_mask": torch.tensor(mask, dtype=torch.bool),
+                    "lengths": torch.tensor([n]),
+                    "position_ids": torch.arange(n),
+                }
+            )
+        )
+    cat = {
+        k: torch.cat([p[k] for p in parts])[None]
+        for k in ("input_ids", "hidden_states", "loss_mask", "position_ids")
+    }
+    cat["verifier_last_hidden_states"] = torch.cat([p["verifier_last_hidden_states"] for p in parts])[None]
+    cat["document_ids"] = torch.cat([torch.full((len(p["input_ids"]),), d) for d, p in enumerate(parts)])[
+        None
+    ]
+    return cat
+
+
+def worker_speculators(spec_path: str) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.manual_seed(spec["seed"])
+    vmap = load_file(spec["vocab_map"])
+    target = AutoModelForCausalLM.from_pretrained(spec["target"]).eval()
+    layer = AutoConfig.from_pretrained(spec["target"])
+    layer.num_hidden_layers = 1
+    layer._attn_implementation = spec["attention"]
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=int(vmap["d2t"].numel()),
+        norm_before_residual=False,
+        norm_before_fc=False,
+        norm_output=False,
+        eagle_aux_hidden_state_layer_ids=spec["aux_layers"],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=spec["k"])],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(
+                name_or_path=spec["target"], architectures=list(layer.architectures or [])
+            ),
+        ),
+    )
+    model = Eagle3DraftModel(cfg)
+    model.load_vocab_mappings(vmap["t2d"], vmap["d2t"])
+    model.load_verifier_weights()  # embed_tokens (frozen), lm_head rows of the draft vocab, verifier head / norm
+    for name in ("embed_tokens", "verifier_lm_head", "verifier_norm"):
+        getattr(model, name).requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        trainable, lr=spec["lr"], betas=tuple(spec["betas"]), weight_decay=spec["weight_decay"]
+    )
+    total = len(spec["steps"])
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, spec["warmup"], total, spec["min_lr_ratio"])
+    )
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+    data, train_s = {"steps": spec["steps"]}, 0.0
+    for m in range(total):
+        t0 = time.perf_counter()
+        b = _speculators_batch(target, spec["aux_layers"], data, m)
+        _, loss, _ = model(
+            b["hidden_states"],
+            b["input_ids"],
+            b["document_ids"],
+            loss_mask=b["loss_mask"],
+            position_ids=b["position_ids"],
+            verifier_last_hidden_states=b["verifier_last_hidden_states"],
+            ttt_steps=spec["k"],
+            ttt_step_loss_decay=spec["decay"],
+            loss_config=loss_cfg,
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, spec["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        train_s += time.perf_counter() - t0
+    model.save_pretrained(spec["out"])
+    return {"train_s": train_s, "final_loss": float(loss), "out": spec["out"]}
+
+
+# --- our side and the comparison (runs in .venv) ---------------------------------------------------------------
+def _stage_config(run_dir: Path, work: Path, a, preset: str):
+    import yaml
+
+    from eagle_lib import params, train
+
+    raw = yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())
+    stage = dict(raw["stages"]["05_train_eagle3"])
+    stage.update(
+        ttt_preset=preset,
+        ttt_steps=a.k if preset == "custom" else 0,
+        loss_decay=a.decay if preset == "custom" else 0.0,
+        max_steps=a.steps,
+        learning_rate=a.lr,
+        warmup_steps=a.warmup,
+        min_lr_ratio=a.min_lr_ratio,
+        rows_per_batch=1,
+        pack_len=a.pack_len,
+        max_seq_len=min(a.pack_len, stage.get("max_seq_len", 1024)),
+        measure_every=0,
+        resume=False,
+        checkpoint_every=10**6,
+        num_threads=1,
+    )
+    for d in ("data", "infer"):
+        if not (work / d).exists():
+            (work / d).symlink_to((run_dir / d).resolve())
+    return params.StageConfig(
+        "05_train_eagle3", work, params.SharedParams(**raw["shared"]), train.Params(**stage)
+    )
+
+
+def _steps_of(cfg, a) -> list[list[tuple[list[int], list[int]]]]:
+    """The (ids, loss_mask) sequences of every micro-batch our run consumes, in order (our `BatchStream`)."""
+    from eagle_lib.drafter import batches
+
+    p = cfg.stage
+    seqs, _, _ = batches.load_sequences(
+        cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples
+    )
+    stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
+    out = []
+    for m in range(a.steps):
+        b = stream.micro_batch(m)
+        out.append(
+            [
+                (b.input_ids[r, s : s + n].tolist(), b.loss_mask[r, s : s + n].int().tolist())
+                for r, segs in enumerate(b.segments)
+                for _key, s, n in segs
+            ]
+        )
+    return out
+
+
+def _tau(drafter, target, tokenizer, held, a) -> dict:
+    """Measured tau of one drafter: greedy speculative decoding of the held-out prompts (`drafter.measure`)."""
+    from eagle_lib.drafter import measure
+
+    prompts = measure.prompts_of(held, a.prompts, 1024)
+    eos = measure.stop_ids(tokenizer, target)
+    return measure.Meter(target, drafter.config.aux_layers, prompts, a.new_tokens, a.drafts, eos)(drafter)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", default=str(ROOT / "outputs" / "toy"))
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--k", type=int, default=3, help="TTT steps of both sides (matched k)")
+    ap.add_argument("--decay", type=float, default=1.0, help="per-step loss decay of both sides")
+    ap.add_argument("--ours-preset", default="custom", help="custom: --k / --decay; or a stage-05 preset")
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--pack-len", type=int, default=2048)
+    ap.add_argument("--prompts", type=int, default=24, help="held-out prompts decoded per side")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--drafts", type=int, default=3, help="drafts per verify step when decoding (06's num_steps)"
+    )
+    ap.add_argument("--attention", default="sdpa", help="speculators' attention implementation")
+    ap.add_argument("--spec-python", default=str(ROOT / ".venv-speculators/bin/python"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(worker_speculators(a.worker)))
+        return
+    if not Path(a.spec_python).exists():
+        sys.exit(f"{a.spec_python} missing: run `make bench-env` first")
+    run_dir = Path(a.run_dir)
+    if not list(run_dir.glob("infer/*/responses.jsonl")):
+        sys.exit(f"{run_dir}: no infer/*/responses.jsonl; run stages 01-03 first")
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle_lib import models, train
+    from eagle_lib.drafter import batches
+    from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import export
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="bench_quality_"))
+    cfg = _stage_config(run_dir, work, a, a.ours_preset)
+    steps = _steps_of(cfg, a)
+    t0 = time.perf_counter()
+    ours = train.run(cfg)
+    ours_s = time.perf_counter() - t0
+    drafter = load_drafter(work / "drafter" / "final")
+    vmap = work / "vocab_map.safetensors"
+    save_file({"d2t": drafter.d2t.contiguous(), "t2d": drafter.t2d.contiguous()}, str(vmap))
+    spec = {
+        "target": str(models.resolve("toy://target")),
+        "aux_layers": drafter.config.aux_layers,
+        "k": a.k,
+        "decay": a.decay,
+        "lr": a.lr,
+        "betas": cfg.stage.adam_betas,
+        "weight_decay": cfg.stage.weight_decay,
+        "warmup": a.warmup,
+        "min_lr_ratio": a.min_lr_ratio,
+        "grad_clip": cfg.stage.grad_clip,
+        "seed": cfg.shared.seed,
+        "vocab_map": str(vmap),
+        "steps": steps,
+        "out": str(work / "speculators"),
+        "attention": a.attention,
+    }
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [a.spec_python, __file__, "--worker", str(work / "spec.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        sys.exit(f"speculators worker failed:\n{proc.stderr[-3000:]}")
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    target = models.load_target(cfg.shared, device="cpu")
+    tokenizer = models.load_tokenizer(cfg.shared)
+    _, held, _ = batches.load_sequences(run_dir, cfg.shared.heldout_percent, cfg.stage.max_seq_len, 0, 0)
+    embed = target.get_input_embeddings().weight.detach()
+    their_drafter = export.load_export(work / "speculators", embed, drafter.config.aux_layers)
+    t_ours, t_theirs = (
+        _tau(drafter, target, tokenizer, held, a),
+        _tau(their_drafter, target, tokenizer, held, a),
+    )
+    ratio = t_ours["tau"] / t_theirs["tau"]
+    print(
+        f"{a.steps} steps, k={a.k}, lr {a.lr}, {a.pack_len}-token rows; tau at {a.drafts} drafts on "
+        f"{t_ours['prompts']} held-out prompts x {a.new_tokens} tokens (greedy, offline decoder)"
+    )
+    print(
+        f"  ours ({a.ours_preset})        tau {t_ours['tau']:.3f}  acc {[round(x, 3) for x in t_ours['acc']]}  "
+        f"train {ours_s:.0f} s (whole stage)"
+    )
+    print(
+        f"  speculators 0.9  tau {t_theirs['tau']:.3f}  acc {[round(x, 3) for x in t_theirs['acc']]}  "
+        f"train {theirs['train_s']:.0f} s (steps only)"
+    )
+    print(f"  tau ours / speculators = {ratio:.3f}")
+    print(
+        json.dumps(
+            {
+                "steps": a.steps,
+                "k": a.k,
+                "ours_tau": t_ours["tau"],
+                "speculators_tau": t_theirs["tau"],
+                "ratio": ratio,
+                "ours_s": ours_s,
+                "speculators_train_s": theirs["train_s"],
+                "heldout_acc_0": ours["heldout"]["acc"][0],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Stage 05's measured acceptance: prompts, tau against a from-scratch drafting reference, checkpoint choice."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_lib import store, train
+from eagle_lib.drafter import batches, checkpoints, measure
+from eagle_lib.drafter.model import load_drafter
+from tests.support import eagle_tiny
+
+torch.set_num_threads(1)
+
+
+def seq(ids, first_label):
+    return batches.Sequence("s", list(ids), [0] * first_label + [1] * (len(ids) - first_label))
+
+
+def test_prompts_are_the_tokens_before_the_first_label_evenly_spread():
+    seqs = [seq(range(10 * i, 10 * i + 8), 3 + i % 3) for i in range(10)] + [seq([1, 2, 3], 1)]
+    got = measure.prompts_of(seqs, 4, 4)
+    # 10 usable (the last has a 1-token prompt); indices 0, 2, 5, 7 of them; prompts cut to their last 4 tokens
+    assert got == [[0, 1, 2], [21, 22, 23, 24], [51, 52, 53, 54], [70, 71, 72, 73]]
+    assert len(measure.prompts_of(seqs, 0, 100)) == 10
+
+
+def test_due_and_best():
+    assert [s for s in range(1, 12) if measure.due(s, 4, 11)] == [4, 8, 11]
+    assert not measure.due(3, 0, 3)
+    rows = [
+        {"step": 1},
+        {"step": 2, "measured_tau": 1.5},
+        {"step": 3, "measured_tau": 2.0},
+        {"step": 4, "measured_tau": 2.0},
+    ]
+    assert measure.best(rows)["step"] == 3 and measure.best([{"step": 1}]) is None
+
+
+@torch.no_grad()
+def reference_accepted(target, drafter, prompt, max_new, k):
+    """Greedy EAGLE drafting recomputed from scratch (no KV caches) at every verify step."""
+    aux = drafter.config.aux_layers
+
+    def run(ids):
+        out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[a + 1] for a in aux], -1)[0]  # (n, 3H)
+        return out.logits[0].argmax(-1).tolist(), feats
+
+    greedy, _ = run(prompt)
+    seqn, emitted, accepted = list(prompt) + [greedy[-1]], 1, []
+    while emitted < max_new:
+        _, feats = run(seqn)
+        n = len(seqn)
+        # rows 0..n-2: token x_{t+1} with the target feature f_t; drafts chain from the last row
+        out, logits = drafter(
+            torch.tensor([seqn[1:]]), drafter.project(feats[None, : n - 1]), torch.arange(n - 1)[None]
+        )
+        h, drafts = out[:, -1:], [int(drafter.draft_to_target(logits[0, -1].argmax()))]
+        ids, pos = seqn[1:], list(range(n - 1))
+        hid = drafter.project(feats[None, : n - 1])
+        for j in range(1, k):  # full recompute: previous rows plus the draft rows so far
+            ids, pos = ids + [drafts[-1]], pos + [n - 2 + j]
+            hid = torch.cat([hid, h], 1)
+            out, logits = drafter(torch.tensor([ids]), hid, torch.tensor([pos]))
+            h = out[:, -1:]
+            drafts.append(int(drafter.draft_to_target(logits[0, -1].argmax())))
+        g, _ = run(seqn + drafts)
+        g = g[n - 1 :]
+        a = 0
+        while a < k and drafts[a] == g[a]:
+            a += 1
+        seqn += drafts[:a] + [g[a]]
+        emitted += a + 1
+        accepted.append(a)
+    return accepted
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m")
+    return root, eagle_tiny.make_run(root)
+
+
+def test_meter_tau_equals_the_from_scratch_reference(world):
+    from transformers import AutoModelForCausalLM
+
+    root, run = world
+    target = AutoModelForCausalLM.from_pretrained(root / "target").eval()
+    cfg = eagle_tiny.stage_config(run, root / "target")
+    _, drafter, _, held, _, _ = train.build(cfg, torch.device("cpu"))
+    with torch.no_grad():  # a drafter that agrees with the target now and then: mixed accept lengths
+        drafter.lm_head.weight.mul_(3.0)
+    prompts = measure.prompts_of(held, 3, 64)
+    m = measure.Meter(target, drafter.config.aux_layers, prompts, 12, 3)(drafter)
+    ref = [a for p in prompts for a in reference_accepted(target, drafter, p, 12, 3)]
+    assert m["verify_steps"] == len(ref) and m["prompts"] == 3
+    assert m["tau"] == pytest.approx(1 + sum(ref) / len(ref))
+    assert m["acc"][0] == pytest.approx(sum(a >= 1 for a in ref) / len(ref))
+
+
+def test_training_logs_measured_tau_and_final_can_take_the_best(world, tmp_path):
+    import shutil
+
+    root, run = world
+    for d in ("data", "infer"):
+        shutil.copytree(run / d, tmp_path / d)
+    cfg = eagle_tiny.stage_config(
+        tmp_path,
+        root / "target",
+        measure_every=2,
+        measure_prompts=3,
+        measure_new_tokens=8,
+        final_checkpoint="best_measured",
+    )
+    summary = train.run(cfg)
+    log = store.read_jsonl(tmp_path / "drafter" / "train_log.jsonl")
+    assert [r["step"] for r in log if "measured_tau" in r] == [2, 4, 6]
+    assert all(
+        1.0 <= r["measured_tau"] <= 4.0 and len(r["measured_acc"]) == 3 for r in log if "measured_tau" in r
+    )
+    assert [r["elapsed_s"] for r in log] == sorted(r["elapsed_s"] for r in log)
+    m = summary["measured"]
+    top = max((r for r in log if "measured_tau" in r), key=lambda r: (r["measured_tau"], -r["step"]))
+    assert (
+        m["best_step"] == top["step"] == m["final_weights_step"] and m["final_tau"] == log[-1]["measured_tau"]
+    )
+    best = checkpoints.directory(tmp_path / "drafter", train.fingerprint(cfg)) / checkpoints.BEST
+    final = load_file(str(tmp_path / "drafter" / "final" / "model.safetensors"))
+    for k, v in load_file(str(best / "model.safetensors")).items():
+        torch.testing.assert_close(final[k], v)
+    assert set(summary["exports"]) == {"sglang", "speculators"}
+    assert load_drafter(tmp_path / "drafter" / "final").config.draft_vocab_size == 64
+    ck = checkpoints.complete(tmp_path / "drafter", train.fingerprint(cfg))
+    assert ck and not list(ck[-1].glob("*.pt"))  # nothing to unpickle
+
+
+def test_optimizer_state_round_trips_through_safetensors_and_json():
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95))
+    p.grad = torch.randn(3, 2)
+    opt.step()
+    sd = opt.state_dict()
+    named = {"state": {"w.a": sd["state"][0]}, "param_groups": [dict(sd["param_groups"][0], params=["w.a"])]}
+    tensors, meta = checkpoints.split_optimizer(named)
+    import json
+
+    back = checkpoints.join_optimizer(tensors, json.loads(json.dumps(meta)))
+    assert set(back["state"]["w.a"]) == set(named["state"]["w.a"])
+    for k, v in named["state"]["w.a"].items():
+        torch.testing.assert_close(back["state"]["w.a"][k], v)
+    assert back["param_groups"][0]["betas"] == [0.9, 0.95] and back["param_groups"][0]["params"] == ["w.a"]
