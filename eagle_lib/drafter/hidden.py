@@ -1,4 +1,4 @@
-"""Target hidden states for training, from two sources behind one interface.
+"""Target hidden states for training, from three sources behind one interface (docs/CONTRACTS.md).
 
 A source is called on a `eagle_lib.drafter.batches.Batch` and returns ``(aux, logits)``: ``aux`` (B, T, 3H_t) the
 concatenated outputs of the target's aux decoder layers at every position, ``logits`` (B, T, V) the target's
@@ -10,6 +10,8 @@ next-token logits there.
   ``token_ids`` [T] and ``hidden_states`` [T, 4, H] (3 aux layers + the last layer); logits come from the
   target's final norm and lm_head applied to the last layer (`TargetHead`, loaded alone from the target's
   safetensors). Dumps are matched to training sequences by their token ids.
+* `eagle_lib.drafter.engine_hidden.VllmHidden` (``hidden_source: vllm``): vLLM prefill streamed through a
+  bounded buffer; logits through `TargetHead` as for dumps.
 """
 
 from __future__ import annotations
