@@ -89,6 +89,12 @@ STAGES: dict[str, StageSpec] = {
         StageSpec(
             "06_eval_acceptance", "acceptance", ("eval",), ("01_prepare_A", "02_extract_B", "05_train_eagle3")
         ),
+        StageSpec(
+            "07_data_value",
+            "value",
+            ("value",),
+            ("01_prepare_A", "02_extract_B", "03_infer", "05_train_eagle3"),
+        ),
     ]
 }
 

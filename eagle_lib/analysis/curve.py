@@ -1,0 +1,200 @@
+"""Learning curves of tau: a saturating fit, a bootstrap over held-out prompts, projections and a verdict.
+
+Model: ``tau(x) = a - b * x**(-c)`` with x the training tokens relative to a reference count (the run's full
+training set, so x = 1 is "all the data"), ``1 <= a <= cap`` (cap = k + 1, the chain limit: every draft
+accepted), ``b >= 0`` and ``c`` in (0, C_MAX]. For a fixed c the model is linear in (a, b); the fit scans c on
+a log grid and solves each (a, b) by least squares with the bounds enforced (an active bound is refitted
+with that parameter fixed), keeping the c of least squared error. No optimizer state, no start values:
+the same points always give the same fit.
+
+Uncertainty: tau of a drafter is a ratio of sums over held-out prompts (sum of accepted + 1 over sum of steps),
+so one bootstrap draw resamples the prompts (the same draw for every drafter: the points move together, as
+they share the held-out set), recomputes every tau and refits. Percentile intervals of the projections
+follow; they cover evaluation noise (which prompts were held out), not training noise (seeds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+C_GRID = np.geomspace(0.02, 3.0, 240)
+C_MAX = float(C_GRID[-1])
+
+
+@dataclass(frozen=True)
+class Fit:
+    """tau(x) = a - b * x**-c (x relative tokens); sse = sum of squared residuals."""
+
+    a: float
+    b: float
+    c: float
+    sse: float
+
+    def predict(self, x) -> np.ndarray:
+        return self.a - self.b * np.power(np.asarray(x, dtype=float), -self.c)
+
+    def tokens_for(self, tau: float) -> float:
+        """Relative tokens where the curve reaches tau (inf when tau >= a, the fitted ceiling)."""
+        if tau >= self.a:
+            return math.inf
+        if self.b <= 0:  # a flat curve already at a > tau
+            return 0.0
+        return (self.b / (self.a - tau)) ** (1 / self.c)
+
+
+def _fit_fixed_c(z: np.ndarray, y: np.ndarray, lo: float, cap: float) -> tuple[float, float, float]:
+    """(a, b, sse) of y ~ a - b z with lo <= a <= cap and b >= 0 (z = x**-c)."""
+    zc, yc = z - z.mean(), y - y.mean()
+    den = float(zc @ zc)
+    b = max(0.0, -float(zc @ yc) / den) if den > 0 else 0.0
+    a = float(y.mean() + b * z.mean())
+    for bound in (cap, lo):  # an active bound on a: fix a there, refit b >= 0 alone
+        if (bound == cap and a > cap) or (bound == lo and a < lo):
+            a = bound
+            b = max(0.0, float(z @ (a - y)) / float(z @ z)) if float(z @ z) > 0 else 0.0
+    r = y - (a - b * z)
+    return a, b, float(r @ r)
+
+
+def fit_saturating(x, y, cap: float, floor: float = 1.0) -> Fit:
+    """Least-squares fit of tau = a - b x^-c to points (x relative tokens > 0, y tau); floor <= a <= cap."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if x.shape != y.shape or len(x) < 2:
+        raise ValueError(f"fit_saturating: need >= 2 paired points (got x {x.shape}, y {y.shape})")
+    if (x <= 0).any() or not np.isfinite(y).all():
+        raise ValueError("fit_saturating: tokens must be > 0 and tau finite")
+    best = None
+    for c in C_GRID:
+        a, b, sse = _fit_fixed_c(np.power(x, -c), y, floor, cap)
+        if best is None or sse < best.sse - 1e-15:
+            best = Fit(a, b, float(c), sse)
+    return best
+
+
+def ratio_tau(num: np.ndarray, den: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+    """tau per drafter from per-prompt sums: num/den (D, P) -> (D,), over prompts idx (default all)."""
+    if idx is not None:
+        num, den = num[:, idx], den[:, idx]
+    return num.sum(1) / np.maximum(den.sum(1), 1)
+
+
+def bootstrap_draws(n_prompts: int, reps: int, seed: int, strata: list | None = None) -> np.ndarray:
+    """(reps, n_prompts) resampled prompt indices; within each stratum (dataset) when strata is given."""
+    rng = np.random.default_rng(seed)
+    if strata is None:
+        return rng.integers(0, n_prompts, size=(reps, n_prompts))
+    groups = [np.flatnonzero(np.asarray(strata) == s) for s in dict.fromkeys(strata)]
+    return np.concatenate([g[rng.integers(0, len(g), size=(reps, len(g)))] for g in groups], axis=1)
+
+
+@dataclass
+class Curve:
+    """The fitted curve, its bootstrap fits and the projections asked for."""
+
+    x: np.ndarray  # (D,) relative tokens of the points
+    tau: np.ndarray  # (D,) measured tau
+    fit: Fit
+    boot: list[Fit]
+    cap: float
+    multipliers: list[float]
+
+    def band(self, xs, q: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+        """Pointwise (lo, hi) of the bootstrap curves at xs."""
+        preds = np.stack([f.predict(xs) for f in self.boot]) if self.boot else self.fit.predict(xs)[None]
+        return tuple(np.quantile(preds, [(1 - q) / 2, (1 + q) / 2], axis=0))
+
+    def projection(self, m: float, q: float = 0.95) -> dict:
+        """tau at m x the reference tokens: point estimate and bootstrap interval."""
+        lo, hi = self.band([m], q)
+        return {
+            "multiplier": m,
+            "tau": float(self.fit.predict([m])[0]),
+            "lo": float(lo[0]),
+            "hi": float(hi[0]),
+        }
+
+    def gain(self, m: float, q: float = 0.95) -> dict:
+        """tau(m) - tau(1) from the fit, with its bootstrap interval (each draw's own difference)."""
+        d = [float(f.predict([m])[0] - f.predict([1.0])[0]) for f in self.boot] or [0.0]
+        lo, hi = np.quantile(d, [(1 - q) / 2, (1 + q) / 2])
+        return {"gain": float(self.fit.predict([m])[0] - self.fit.predict([1.0])[0]), "lo": lo, "hi": hi}
+
+    def tokens_for(self, tau: float, q: float = 0.95) -> dict:
+        """Relative tokens to reach tau: fit and bootstrap interval (inf: beyond the fitted ceiling)."""
+        t = [f.tokens_for(tau) for f in self.boot] or [self.fit.tokens_for(tau)]
+        lo, hi = np.quantile(np.asarray(t, dtype=float), [(1 - q) / 2, (1 + q) / 2])
+        reach = float(np.mean(np.isfinite(t)))
+        return {
+            "target_tau": tau,
+            "x": self.fit.tokens_for(tau),
+            "lo": float(lo),
+            "hi": float(hi),
+            "p_reach": reach,
+        }
+
+
+def learning_curve(
+    x,
+    num: np.ndarray,
+    den: np.ndarray,
+    cap: float,
+    multipliers: list[float],
+    reps: int,
+    seed: int,
+    strata=None,
+) -> Curve:
+    """Fit the curve to tau = num/den per point (D points x P prompts) and bootstrap it over the prompts."""
+    x = np.asarray(x, dtype=float)
+    tau = ratio_tau(num, den)
+    fit = fit_saturating(x, tau, cap)
+    boot = [
+        fit_saturating(x, ratio_tau(num, den, idx), cap)
+        for idx in bootstrap_draws(num.shape[1], reps, seed, strata)
+    ]
+    return Curve(x, tau, fit, boot, cap, list(multipliers))
+
+
+MIN_PROMPTS = 5  # a bootstrap over fewer prompts is no interval: such a difference is never "measurable"
+
+
+def diff_interval(
+    num: np.ndarray, den: np.ndarray, i: int, j: int, draws: np.ndarray, q: float = 0.95
+) -> dict:
+    """tau_i - tau_j (paired: the same resampled prompts for both) with its percentile interval
+    (NaN, not measurable, below MIN_PROMPTS prompts)."""
+    d = [float(t[i] - t[j]) for t in (ratio_tau(num, den, idx) for idx in draws)]
+    few = num.shape[1] < MIN_PROMPTS or not d
+    lo, hi = (math.nan, math.nan) if few else np.quantile(d, [(1 - q) / 2, (1 + q) / 2])
+    full = ratio_tau(num, den)
+    return {
+        "diff": float(full[i] - full[j]),
+        "lo": float(lo),
+        "hi": float(hi),
+        "measurable": bool(lo > 0 or hi < 0),
+    }
+
+
+def verdict(curve: Curve, min_gain: float, q: float = 0.95) -> dict:
+    """Data-limited / saturated / undetermined, from the projected gain of doubling the data."""
+    now = curve.projection(1.0, q)
+    two = curve.projection(2.0, q)
+    g = curve.gain(2.0, q)
+    span = f"{now['tau']:.2f} to {two['tau']:.2f} [{two['lo']:.2f}, {two['hi']:.2f}]"
+    if g["lo"] > min_gain:
+        kind = "data-limited"
+        text = f"data-limited: doubling the data is projected to raise tau from {span} (gain {g['gain']:+.2f}, " \
+               f"interval [{g['lo']:+.2f}, {g['hi']:+.2f}] excludes gains below {min_gain})"  # fmt: skip
+    elif g["hi"] < min_gain:
+        kind = "saturated"
+        text = f"saturated: doubling the data is projected to move tau only from {span} (gain {g['gain']:+.2f}, " \
+               f"interval [{g['lo']:+.2f}, {g['hi']:+.2f}] below {min_gain}): capacity or recipe is the limit, " \
+               f"fitted ceiling {curve.fit.a:.2f} of the chain limit {curve.cap:.0f}"  # fmt: skip
+    else:
+        kind = "undetermined"
+        text = f"undetermined: doubling the data is projected to move tau from {span} (gain {g['gain']:+.2f}, " \
+               f"interval [{g['lo']:+.2f}, {g['hi']:+.2f}] straddles {min_gain}); more held-out prompts or " \
+               "another subset point would decide"  # fmt: skip
+    return {"kind": kind, "text": text, "gain_2x": g, "tau_now": now, "tau_2x": two}

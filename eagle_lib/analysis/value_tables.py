@@ -1,0 +1,176 @@
+"""Stage 07's tables, verdicts and headline numbers from the drafters' per-prompt decoding sums.
+
+Every difference is paired (both drafters decoded the same held-out prompts) and carries a percentile bootstrap
+interval over those prompts; a difference whose interval includes zero is reported as "no measurable
+difference", never ranked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from eagle_lib.analysis import curve as curves
+
+
+@dataclass
+class Result:
+    """What the notebook shows."""
+
+    curve: pd.DataFrame  # one row per subset: tokens, steps, tau overall and per eval dataset
+    fit: curves.Curve
+    projections: pd.DataFrame
+    verdict: dict
+    lodo: pd.DataFrame = field(default_factory=pd.DataFrame)  # unit x eval dataset values with intervals
+    ranked: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per unit, by value on all eval sets
+    regen: pd.DataFrame = field(default_factory=pd.DataFrame)  # per eval dataset: regenerated vs original
+    headline: dict = field(default_factory=dict)
+    total_tokens: int = 0
+    out_dir: Path = Path(".")
+
+
+def _eval_sets(st) -> list[str]:
+    return sorted(set(st.decoder.sums.datasets)) + ["all"]
+
+
+def curve_table(st, names: list[str]) -> pd.DataFrame:
+    """Subsets (rows): share, tokens, steps, how the drafter was obtained, tau overall and per eval dataset."""
+    rows = []
+    for n in names:
+        a = st.arms[n]
+        row = {
+            "fraction": float(n),
+            **{k: a[k] for k in ("sequences", "tokens", "label_tokens", "steps", "drafter")},
+        }
+        row |= {f"tau_{e}": st.decoder.sums.tau(n, None if e == "all" else e) for e in _eval_sets(st)}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _paired(st, i: str, j: str, dataset: str, reps: int, seed: int) -> dict:
+    """tau_i - tau_j on one eval dataset ('all': every prompt, resampled within datasets)."""
+    s = st.decoder.sums
+    cols = [k for k, d in enumerate(s.datasets) if dataset in ("all", d)]
+    num, den = s.rows([i, j])
+    num, den = num[:, cols], den[:, cols]
+    strata = [s.datasets[k] for k in cols] if dataset == "all" else None
+    draws = curves.bootstrap_draws(len(cols), reps, seed, strata)
+    return curves.diff_interval(num, den, 0, 1, draws)
+
+
+def value_table(st, ref: str, arms: dict[str, str], units: dict[str, list[str]], p) -> pd.DataFrame:
+    """Leave-one-out: value of each unit for each eval set = tau(all at budget) - tau(without the unit)."""
+    rows = []
+    for u, arm in arms.items():
+        for e in _eval_sets(st):
+            d = _paired(st, ref, arm, e, p.bootstrap_reps, st.cfg.shared.seed)
+            rows.append({
+                "unit": u, "left_out": ",".join(units[u]), "eval": e, "value": d["diff"], "lo": d["lo"], "hi": d["hi"],
+                "measurable": d["measurable"], "short_response": any(x in p.short_datasets for x in units[u]),
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def ranked(lodo: pd.DataFrame) -> pd.DataFrame:
+    """One row per unit, by value on all eval sets; the eval sets it measurably helps / hurts; a sentence."""
+    out = []
+    for u, g in lodo.groupby("unit", sort=False):
+        allr = g[g["eval"] == "all"].iloc[0]
+        per = g[g["eval"] != "all"]
+        helps = list(per[per.measurable & (per.value > 0)]["eval"])
+        hurts = list(per[per.measurable & (per.value < 0)]["eval"])
+        if helps:
+            text = f"adding more of {u} is projected to help eval sets {', '.join(helps)}"
+        else:
+            text = f"{u}: no measurable difference on any eval set"
+        text += f"; removing it measurably helps {', '.join(hurts)}" if hurts else ""
+        iv = f"{allr.value:+.3f} [{allr.lo:+.3f}, {allr.hi:+.3f}]"
+        overall = iv if allr.measurable else f"no measurable difference ({iv})"
+        out.append({"unit": u, "value_all": allr.value, "lo": allr.lo, "hi": allr.hi, "overall": overall,
+                    "helps": helps, "hurts": hurts, "short_response": bool(allr.short_response), "text": text})  # fmt: skip
+    df = pd.DataFrame(out)
+    return df.sort_values("value_all", ascending=False, ignore_index=True) if len(df) else df
+
+
+def pair_table(st, a: str, b: str, p) -> pd.DataFrame:
+    """Per eval set: tau of arm a and b and a - b with its paired interval."""
+    s, rows = st.decoder.sums, []
+    for e in _eval_sets(st):
+        d = _paired(st, a, b, e, p.bootstrap_reps, st.cfg.shared.seed)
+        ds = None if e == "all" else e
+        rows.append({"eval": e, f"tau_{a}": s.tau(a, ds), f"tau_{b}": s.tau(b, ds), "diff": d["diff"],
+                     "lo": d["lo"], "hi": d["hi"], "measurable": d["measurable"]})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def projections(c: curves.Curve, total: int, target_tau: float) -> pd.DataFrame:
+    """Measured point (1x) and the projections at the multipliers: tokens, tau and its interval."""
+    rows = [{"multiplier": m, "tokens": m * total, **c.projection(m)} for m in [1.0] + c.multipliers]
+    t = c.tokens_for(target_tau)
+    rows.append({"multiplier": t["x"], "tokens": t["x"] * total, "multiplier_lo": t["lo"], "multiplier_hi": t["hi"],
+                 "tau": target_tau, "lo": np.nan, "hi": np.nan, "p_reach": t["p_reach"], "row": "tokens for target"})  # fmt: skip
+    df = pd.DataFrame(rows)
+    df["row"] = df["row"].fillna("projection") if "row" in df else "projection"
+    return df
+
+
+def regen_text(regen: pd.DataFrame) -> str:
+    if not len(regen):
+        return "regenerated vs original: not run (no B dataset with its own responses)"
+    r = regen[regen["eval"] == "all"].iloc[0]
+    iv = f"{r['diff']:+.3f} [{r.lo:+.3f}, {r.hi:+.3f}]"
+    if not r.measurable:
+        return f"regenerated vs original responses at equal tokens: no measurable difference in tau ({iv})"
+    word = "pays" if r["diff"] > 0 else "costs"
+    return f"regeneration {word}: tau {r.tau_regenerated:.2f} vs {r.tau_original:.2f} with the original responses ({iv})"
+
+
+def result(st, curve_df, c: curves.Curve, lodo: pd.DataFrame, regen: pd.DataFrame, p) -> Result:
+    """Projections, verdict, rankings and the headline numbers report.record keeps."""
+    proj = projections(c, st.total, p.target_tau)
+    v = curves.verdict(c, p.min_gain)
+    rank = ranked(lodo) if len(lodo) else pd.DataFrame()
+    t = c.tokens_for(p.target_tau)
+    h = {
+        "train_tokens_05": st.total,
+        "steps_05": st.steps05,
+        "tau_by_fraction": {f"{r.fraction:g}": r.tau_all for r in curve_df.itertuples()},
+        "fit": {"a": c.fit.a, "b": c.fit.b, "c": c.fit.c, "cap": c.cap},
+        "projected": {f"{m:g}x": c.projection(m) for m in c.multipliers},
+        "tokens_for_target": {
+            "target_tau": p.target_tau,
+            "tokens": t["x"] * st.total,
+            "lo": t["lo"] * st.total,
+            "hi": t["hi"] * st.total,
+            "p_reach": t["p_reach"],
+        },  # fmt: skip
+        "verdict": v["text"],
+        "verdict_kind": v["kind"],
+        "gain_2x": v["gain_2x"],
+        "heldout_prompts": len(st.decoder.prompts),
+        "arms": {n: {k: a[k] for k in ("tokens", "steps", "drafter")} for n, a in st.arms.items()},
+        "recipe_keys_not_reproduced": st.unknown_recipe_keys,
+    }
+    if len(rank):
+        h["lodo_value_all"] = {
+            r.unit: {"value": r.value_all, "lo": r.lo, "hi": r.hi} for r in rank.itertuples()
+        }
+        h["lodo_ranking"] = [r.text for r in rank.itertuples()]
+        h["short_response"] = [
+            f"{r.unit} (short responses): {r.overall}; {r.text}"
+            for r in rank.itertuples()
+            if r.short_response
+        ]
+    if len(regen):
+        r = regen[regen["eval"] == "all"].iloc[0]
+        h["regen_minus_original"] = {
+            "diff": r["diff"],
+            "lo": r.lo,
+            "hi": r.hi,
+            "measurable": bool(r.measurable),
+        }
+        h["regen_text"] = regen_text(regen)
+    return Result(curve_df, c, proj, v, lodo, rank, regen, h, st.total, st.out)

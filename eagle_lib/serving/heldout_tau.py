@@ -1,0 +1,166 @@
+"""Held-out tau of many drafters on one fixed prompt set, kept per prompt (for bootstrap intervals).
+
+Prompts are chosen as stage 06 chooses them: every A record and B prompt whose id is held out
+(`store.is_heldout(id, heldout_percent)`); an A record's prompt is the tokens before its last assistant turn
+(06's default ``a_prompt: last_turn``), a B prompt its ``prompt_ids``; longer than ``max_prompt_tokens`` is
+skipped, at most ``per_dataset`` per dataset (in file order). Each drafter decodes every prompt greedily with
+`eagle_lib.serving.specdec.speculative_generate` (k drafts per target verify step, lossless by construction)
+and the per-prompt sums are kept: ``num`` = sum over steps of (accepted + 1), ``den`` = the number of steps,
+so tau of any set of prompts is sum(num) / sum(den), exactly 06's pooled tau.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle_lib import store
+from eagle_lib.serving import specdec
+from eagle_lib.serving.specdec import Prompt
+
+
+def _a_prompt(rec: dict) -> list[int] | None:
+    """Tokens before the last run of loss-masked tokens (None when the record has no label)."""
+    mask = rec["loss_mask"]
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    return list(rec["input_ids"][: starts[-1]]) if starts and starts[-1] > 0 else None
+
+
+def heldout_prompts(run_dir: str | Path, percent: float, per_dataset: int, max_prompt_tokens: int):
+    """(prompts, tally): held-out prompts of every A and B dataset under run_dir/data, capped per dataset."""
+    run_dir = Path(run_dir)
+    files = sorted(run_dir.glob("data/A/*/records.jsonl")) + sorted(run_dir.glob("data/B/*/prompts.jsonl"))
+    names = [f.parent.name for f in files]
+    prompts: list[Prompt] = []
+    tally = {"read": 0, "kept": 0, "dropped": Counter(), "rejected": 0}
+    for f in files:
+        kind, ds = f.parent.parent.name, f.parent.name
+        label = ds if names.count(ds) == 1 else f"{kind}/{ds}"
+        n_kept = 0
+        for n, rec in enumerate(store.iter_jsonl(f), 1):
+            tally["read"] += 1
+            try:
+                held = store.is_heldout(rec["id"], percent)
+                ids = (_a_prompt(rec) if kind == "A" else list(rec["prompt_ids"])) if held else None
+            except (KeyError, TypeError) as e:
+                raise store.RecordError(f"{f}: record {n} (id {rec.get('id')!r}): malformed, {e!r}") from None
+            why = (
+                "not_heldout" if not held else "no_prompt" if not ids
+                else "too_long" if len(ids) > max_prompt_tokens else "over_cap" if n_kept >= per_dataset else None
+            )  # fmt: skip
+            if why:
+                tally["dropped"][why] += 1
+                continue
+            prompts.append(Prompt(str(rec["id"]), label, ids))
+            n_kept += 1
+            tally["kept"] += 1
+    tally["dropped"] = dict(tally["dropped"])
+    return prompts, tally
+
+
+@dataclass
+class Sums:
+    """Per-drafter, per-prompt decoding sums: num/den (D, P); tau of drafter d = num[d].sum() / den[d].sum()."""
+
+    names: list[str]
+    datasets: list[str]  # (P,) dataset of each prompt
+    num: np.ndarray
+    den: np.ndarray
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def rows(self, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        idx = [self.names.index(n) for n in names]
+        return self.num[idx], self.den[idx]
+
+    def tau(self, name: str, dataset: str | None = None) -> float:
+        i = self.names.index(name)
+        cols = [j for j, d in enumerate(self.datasets) if dataset in (None, d)]
+        return float(self.num[i, cols].sum() / max(1, self.den[i, cols].sum()))
+
+
+class Decoder:
+    """The target and a fixed prompt set; `add(name, drafter)` decodes every prompt and stores the sums."""
+
+    def __init__(self, target, prompts: list[Prompt], max_new_tokens: int, k: int, eos_ids: list[int]):
+        if not prompts:
+            raise ValueError("held-out tau needs at least one held-out prompt")
+        self.target, self.prompts = target, prompts
+        self.max_new_tokens, self.k, self.eos_ids = max_new_tokens, k, eos_ids
+        self.sums = Sums(
+            [], [p.dataset for p in prompts], np.zeros((0, len(prompts))), np.zeros((0, len(prompts)))
+        )
+
+    @torch.no_grad()
+    def decode(self, drafter) -> tuple[np.ndarray, np.ndarray]:
+        """(num, den) per prompt (P,) for one drafter."""
+        runner = specdec.TargetRunner(self.target, drafter.config.aux_layers)
+        num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
+        for j, pr in enumerate(self.prompts):
+            g = specdec.speculative_generate(
+                runner,
+                specdec.EagleProposer(drafter),
+                pr.prompt_ids,
+                self.max_new_tokens,
+                self.k,
+                self.eos_ids,
+            )
+            num[j], den[j] = sum(a + 1 for a in g.accepted), len(g.accepted)
+        runner.cache = None  # free the target's KV cache
+        return num, den
+
+    def add(self, name: str, drafter, cached: tuple[list, list] | None = None) -> tuple[list, list]:
+        """Decode (or take `cached` per-prompt sums) and append as row `name`; returns the sums as lists."""
+        t0 = time.perf_counter()
+        num, den = (np.asarray(cached[0]), np.asarray(cached[1])) if cached else self.decode(drafter)
+        s = self.sums
+        s.names.append(name)
+        s.num, s.den = np.vstack([s.num, num[None]]), np.vstack([s.den, den[None]])
+        s.seconds[name] = time.perf_counter() - t0
+        return num.tolist(), den.tolist()
+
+
+def stop_ids(tokenizer, target) -> list[int]:
+    """Stop ids as 06 uses them: the tokenizer's EOS plus the target's generation_config EOS (int or list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids |= set(extra if isinstance(extra, list) else [] if extra is None else [extra])
+    return sorted(ids)
+
+
+class TeacherForced(Decoder):
+    """Held-out tau without decoding, for targets too large to run here: the TTT chain tau of each held-out
+    sequence (features from the training hidden source, e.g. engine dumps). Per sequence
+    ``num = n + sum_{i < k} n_i`` and ``den = n``, with n its label positions and n_i those where drafts 0..i
+    are all right (teacher-forced): tau = 1 + sum_i P(drafts 0..i right), the chain of k drafts."""
+
+    def __init__(self, trainer, seqs: list, datasets: list[str], k: int):
+        if not seqs:
+            raise ValueError("teacher-forced held-out tau needs at least one held-out sequence")
+        self.trainer, self.seqs, self.k = trainer, seqs, k
+        self.prompts = [Prompt(s.id, d, s.input_ids) for s, d in zip(seqs, datasets, strict=True)]
+        self.max_new_tokens = 0
+        self.sums = Sums([], list(datasets), np.zeros((0, len(seqs))), np.zeros((0, len(seqs))))
+
+    @torch.no_grad()
+    def decode(self, drafter) -> tuple[np.ndarray, np.ndarray]:
+        from eagle_lib.drafter import batches, ttt
+
+        tr = self.trainer
+        model = ttt.TTT(drafter, max(self.k, 1), tr.decay, tr.attention).eval()
+        num, den = np.zeros(len(self.seqs)), np.zeros(len(self.seqs))
+        for j in range(len(self.seqs)):
+            batch = batches.make_batch(self.seqs, [[j]], batches.PAD_TO)
+            aux, tlogits = tr.source(batch)
+            x = [
+                t.to(tr.device) for t in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)
+            ]
+            with torch.autocast(tr.device.type, torch.bfloat16, enabled=tr.autocast):
+                _, stats = model(*x, aux, tlogits)  # (k, N_STATS) sums
+            n = float(stats[0, ttt.N_LABELS])
+            num[j], den[j] = n + float(stats[: self.k, ttt.COND_NUM].sum()), n
+        return num, den

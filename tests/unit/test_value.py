@@ -1,0 +1,131 @@
+"""Stage 07's pieces: the retrainer reproduces 05, subsets are nested and never held out, held-out tau sums."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from eagle_lib import acceptance, store, train
+from eagle_lib.data import subsets
+from eagle_lib.drafter import batches, retrain, ttt
+from eagle_lib.drafter.model import load_drafter
+from eagle_lib.serving import heldout_tau
+from tests.support import eagle_tiny
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run trained by stage 05 itself (6 steps), and the retrainer on its recipe."""
+    root = tmp_path_factory.mktemp("v")
+    run = eagle_tiny.make_run(root)
+    cfg = eagle_tiny.stage_config(run, root / "target")
+    train.run(cfg)
+    recipe, shared = retrain.load_recipe(run)
+    return run, cfg, retrain.Trainer(recipe, shared)
+
+
+def test_recipe_keys_cover_every_05_setting():
+    """A new 05 setting must be classified (reproduced or without effect on the weights) here."""
+    fields = set(train.Params.model_fields)
+    assert retrain.unknown_keys({k: None for k in fields}) == []
+    assert not (retrain.HONOURED & retrain.IGNORED) and (retrain.HONOURED | retrain.IGNORED) <= fields
+
+
+def test_retrain_reproduces_stage_05_weights(trained):
+    run, cfg, tr = trained
+    seqs, _, _ = tr.sequences(run)
+    steps = retrain.full_steps(tr.p, 0)
+    drafter, log = tr.train(seqs, steps, cfg.stage.warmup_steps)
+    ref = load_drafter(run / "drafter" / "final")
+    for key, v in ref.state_dict().items():
+        torch.testing.assert_close(drafter.state_dict()[key], v, rtol=1e-5, atol=1e-6)
+    assert [r["step"] for r in log] == list(range(1, steps + 1))
+    five = [r["loss"] for r in store.read_jsonl(run / "drafter" / "train_log.jsonl")]
+    assert [r["loss"] for r in log] == pytest.approx(five, rel=1e-4)  # 05's own log of the same steps
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = [retrain.lr_factor(s, 10, 2, 0.1) for s in range(10)]
+    assert (
+        f[:2] == [0.5, 1.0]
+        and f[2] == pytest.approx(1.0)
+        and f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 7 / 8)))
+    )
+
+
+def test_subsets_nested_stratified_and_never_heldout(trained):
+    run, cfg, tr = trained
+    seqs, held, _ = tr.sequences(run, max_eval=0)
+    names = subsets.dataset_of(run)
+    assert set(names.values()) == {"tiny", "tinyb"}
+    groups = subsets.by_dataset(seqs, names, seed=0)
+    prev: set[str] = set()
+    for f in (0.125, 0.25, 0.5, 1.0):
+        sub = subsets.fraction_subset(groups, f)
+        ids = {s.id for s in sub}
+        assert prev <= ids, f"fraction {f} does not contain the smaller subset"
+        assert not any(store.is_heldout(i, cfg.shared.heldout_percent) for i in ids)
+        assert not ids & {s.id for s in held}
+        for d, v in groups.items():  # every dataset cut at (at least) the same token share
+            mine = [s for s in sub if names[s.id] == d]
+            assert subsets.tokens(mine) >= f * subsets.tokens(v) > subsets.tokens(mine[:-1])
+        prev = ids
+    assert prev == {s.id for s in seqs}
+    budget = subsets.tokens(groups["tinyb"]) // 2
+    out = subsets.leave_out(groups, {"tiny"}, budget)
+    assert {names[s.id] for s in out} == {"tinyb"} and subsets.tokens(out) >= budget
+    with pytest.raises(ValueError, match="fewer than the budget"):
+        subsets.leave_out(groups, {"tiny"}, subsets.tokens(groups["tinyb"]) + 1)
+    a, b = subsets.equalize(groups["tiny"], groups["tinyb"][:3], seed=0)
+    assert abs(subsets.tokens(a) - subsets.tokens(b)) <= max(len(s.input_ids) for s in groups["tiny"])
+
+
+def test_heldout_prompts_are_those_06_decodes(trained, tmp_path):
+    run = trained[0]
+    shutil.copytree(run / "data", tmp_path / "data")
+    for percent in (10.0, 40.0):
+        mine, tally = heldout_tau.heldout_prompts(tmp_path, percent, per_dataset=4, max_prompt_tokens=768)
+        ref, ref_tally = acceptance.heldout_prompts(
+            tmp_path, percent, acceptance.Params(max_prompts_per_dataset=4)
+        )
+        assert [(p.dataset, p.id, p.prompt_ids) for p in mine] == [
+            (p.dataset, p.id, p.prompt_ids) for ps in ref.values() for p in ps
+        ]
+        assert tally["kept"] == ref_tally["kept"] and tally["read"] == ref_tally["read"]
+
+
+def test_decoder_sums_pool_to_the_generation_tau(trained):
+    from eagle_lib import models
+    from eagle_lib.serving import specdec
+
+    run, _, tr = trained
+    drafter = load_drafter(run / "drafter" / "final")
+    prompts, _ = heldout_tau.heldout_prompts(run, 40.0, 3, 768)
+    target = tr.source.model
+    dec = heldout_tau.Decoder(target, prompts, 12, 3, [])
+    dec.add("d", drafter)
+    runner = specdec.TargetRunner(target, drafter.config.aux_layers)
+    steps = []
+    for p in prompts:  # the reference: one generation per prompt, pooled as 06 pools (mean of accepted + 1)
+        g = specdec.speculative_generate(runner, specdec.EagleProposer(drafter), p.prompt_ids, 12, 3, [])
+        steps += g.accepted
+    assert dec.sums.tau("d") == pytest.approx(sum(a + 1 for a in steps) / len(steps))
+    assert models.pick_device("cpu").type == "cpu"
+
+
+def test_teacher_forced_sums_equal_ttt_chain_tau(trained):
+    run, _, tr = trained
+    _, held, _ = tr.sequences(run, max_eval=0)
+    drafter = load_drafter(run / "drafter" / "final")
+    tf = heldout_tau.TeacherForced(tr, held, ["x"] * len(held), 2)
+    tf.add("d", drafter)
+    total = None
+    model = ttt.TTT(drafter, 2, tr.decay, "eager").eval()
+    with torch.no_grad():  # the reference: ttt.summarize over all held-out sequences packed together
+        rows = batches.pack([len(s.input_ids) for s in held], 10_000)
+        batch = batches.make_batch(held, rows, batches.PAD_TO)
+        _, total = model(
+            batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask, *tr.source(batch)
+        )
+    assert tf.sums.tau("d") == pytest.approx(ttt.summarize(total)["chain_tau"], rel=1e-5)
