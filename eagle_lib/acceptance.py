@@ -1,19 +1,26 @@
-"""Stage 06_eval_acceptance: the drafter's acceptance length, measured losslessly per dataset, offline and online.
+"""Stage 06_eval_acceptance: the drafter's acceptance length as it will be served — greedy and sampled, per dataset,
+per context length, offline and online.
 
-Offline (:mod:`eagle_lib.serving.specdec`): every held-out prompt is decoded greedily by the target with each method
-(``none`` = plain greedy, ``ngram`` = prompt lookup, ``eagle3`` = our drafter), k drafts per step verified by
-one target forward; every method's output must equal ``none``'s token for token (``lossless``).
-Per method and dataset: tau = mean(accepted + 1) per target step, per-position acceptance (unconditional
-P(a >= i) and conditional P(a >= i | a >= i-1)), the distribution of accepted lengths, measured seconds per
-token, the drafter/target forward-cost ratio and the speedup it implies, tau / (1 + ratio * k).
+Offline (:mod:`eagle_lib.serving.specdec`): every prompt is decoded by the target with each method (``none`` =
+plain decoding, ``ngram`` = prompt lookup, ``eagle3`` = our drafter), k drafts per step verified by one target
+forward, at each temperature in ``temperatures`` (0 = greedy; > 0 = the target's sampling with top_p / top_k,
+verified by the speculative accept/reject rule, :mod:`eagle_lib.serving.sampling`). At T=0 every method's
+output must equal ``none``'s token for token (``lossless``); at T>0 the output distribution is the target's
+(proved by tests/unit/test_specdec.py). Prompts: the run's held-out A/B records plus ``eval_sets`` (MT-Bench,
+GSM8K, HumanEval, MATH500, SPEED-Bench by hub id or file, :mod:`eagle_lib.data.evalsets`), rendered with the
+target's chat template.
 
-Online: the same prompts against a server with the drafter loaded — vLLM (``/metrics`` counters: tau = 1 +
-accepted / drafts) or SGLang (``meta_info``: completion_tokens / spec_verify_ct, which also counts the
-prefill token, so it is set beside the offline tokens per step) — compared with the offline number and
-diagnosed (:func:`eagle_lib.serving.preflight.diagnose`). Preflight checks the exported drafter before that.
+Reported per method x temperature x dataset (:mod:`eagle_lib.serving.tables`): tau (drafts that end up in the
+output + 1 per target step), per-position acceptance, accepted-length histograms, tau by context-length bucket
+(prompt + generated, ``context_buckets``), seconds per token and the speedup implied by the measured
+drafter/target cost ratio, tau / (1 + ratio * k).
 
-Writes ``eval/``: tau.csv, positions.csv, accepted_hist.csv, generations.jsonl, online.json, preflight.json,
-plots, meta.json.
+Online (:mod:`eagle_lib.serving.online`): the same prompts at the same temperatures against a server with the
+drafter loaded, compared with the offline numbers and diagnosed; the server's own account of its speculative
+settings is checked too (:mod:`eagle_lib.serving.live`). Preflight checks the exported drafter first.
+
+Writes ``eval/``: tau.csv, positions.csv, accepted_hist.csv, context.csv, generations.jsonl, online.csv,
+online.json, preflight.json, live_preflight.json, plots, meta.json.
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pandas as pd
 from pydantic import model_validator
 
-from eagle_lib import models, params, store
-from eagle_lib.serving import export, preflight, specdec
-from eagle_lib.serving.specdec import Prompt, cost_ratio, tables
+from eagle_lib import params, store
+from eagle_lib.data import evalsets
+from eagle_lib.data.evalsets import Prompt
+
+if TYPE_CHECKING:
+    from eagle_lib.serving.sampling import Sampler
 
 Method = Literal["none", "ngram", "eagle3"]
 
@@ -46,6 +56,24 @@ class Params(params.Strict):
     topk: int = 1  # draft tree width in the launch commands; offline decoding is a chain (topk 1)
     num_draft_tokens: int = 4  # SGLang --speculative-num-draft-tokens (num_steps + 1 for topk 1)
     methods: list[Method] = ["none", "ngram", "eagle3"]  # offline methods; 'none' is the lossless reference
+    temperatures: list[float] = [0.0, 1.0]  # 0 = greedy; the target's recommended one (Kimi-K2.5: 1.0)
+    sampled_methods: list[Method] = [
+        "none",
+        "ngram",
+        "eagle3",
+    ]  # methods decoded at T > 0 (none: speed baseline)
+    top_p: float = 0.95  # the target's sampling at T > 0 (Kimi-K2.5 thinking mode: 0.95); 1.0 = off
+    top_k: int = 0  # the target's top-k at T > 0; 0 = off
+    draft_sampling: Literal["greedy", "sample"] = "greedy"  # eagle3 drafts at T > 0: argmax as vLLM/SGLang
+    context_buckets: list[int] = [
+        1024,
+        4096,
+        16384,
+    ]  # tau by prompt + generated length: <1k, 1-4k, 4-16k, >=16k
+    eval_sets: list[
+        evalsets.EvalSet
+    ] = []  # standard prompt sets: {name, path, schema, config, split, max_prompts}
+    reference_text: str = ""  # published reference points for this target (text with sources) shown beside
     ngram_max: int = 3  # longest suffix the n-gram (prompt lookup) proposer matches
     ngram_min: int = 1  # shortest suffix it falls back to
     offline: bool = True  # decode with the target here (False: a target too large to run here; online only)
@@ -59,6 +87,7 @@ class Params(params.Strict):
     online_model: str = ""  # served model name (OpenAI API); empty = the first of /v1/models
     online_format: Literal["sglang", "speculators"] = "speculators"  # export a local vLLM server loads
     online_max_prompts: int = 8  # prompts per dataset sent online (the first of the offline ones)
+    online_temperatures: list[float] = []  # temperatures measured online; empty = the same as temperatures
     online_concurrency: int = 4  # parallel requests
     online_timeout_s: float = 600.0  # per request
     online_tolerance: float = 0.2  # |online - offline| tau allowed before the report flags a disagreement
@@ -73,19 +102,39 @@ class Params(params.Strict):
             raise ValueError("offline: false needs an online_engine, or there is nothing to measure")
         if self.online_engine == "sglang" and not self.online_url:
             raise ValueError("online_engine 'sglang' needs online_url (a running server)")
+        temps = self.temperatures + self.online_temperatures
+        if not self.temperatures or min(temps) < 0 or len(set(self.temperatures)) < len(self.temperatures):
+            raise ValueError(f"temperatures must be distinct and >= 0 (got {self.temperatures})")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"need 0 < top_p <= 1 and top_k >= 0 (got {self.top_p}, {self.top_k})")
+        if (
+            self.context_buckets != sorted(set(self.context_buckets))
+            or min(self.context_buckets, default=1) < 1
+        ):
+            raise ValueError(
+                f"context_buckets must be increasing positive lengths (got {self.context_buckets})"
+            )
         return self
+
+    @property
+    def online_temps(self) -> list[float]:
+        return self.online_temperatures or self.temperatures
 
 
 @dataclass
 class Eval:
-    """What the notebook shows: tables, preflight reports, online comparison and the headline numbers."""
+    """What the notebook shows: tables, preflight reports, online comparison, the answer and headline numbers."""
 
     tau: pd.DataFrame
     positions: pd.DataFrame
     hist: pd.DataFrame
+    context: pd.DataFrame = field(default_factory=pd.DataFrame)
     preflight: list[dict] = field(default_factory=list)
     online: pd.DataFrame | None = None
+    live: list[dict] = field(default_factory=list)  # checks of the running server's own settings
     headline: dict = field(default_factory=dict)
+    answer: str = ""
+    reference_text: str = ""
     out_dir: Path = Path(".")
 
 
@@ -139,44 +188,69 @@ def _keep(rec: dict, kind: str, percent: float, p: Params, kept: list) -> str | 
     return "over_cap" if len(kept) >= p.max_prompts_per_dataset else None
 
 
+def eval_set_prompts(p: Params, tokenizer) -> tuple[dict[str, list[Prompt]], dict]:
+    """The eval sets' prompts per set name (rendered with the target's chat template) and each set's tally."""
+    out, tallies = {}, {}
+    for es in p.eval_sets:
+        rows, tallies[es.name] = evalsets.read(es, tokenizer, p.max_prompt_tokens)
+        out[es.name] = [Prompt(r["id"], es.name, r["prompt_ids"]) for r in rows]
+    return out, tallies
+
+
 # --- offline decoding ---------------------------------------------------------------------------------
-def proposer_for(method: str, p: Params, drafter):
+def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None):
+    from eagle_lib.serving import specdec
+
     if method == "none":
         return specdec.NoProposer()
     if method == "ngram":
         return specdec.NgramProposer(p.ngram_max, p.ngram_min)
-    return specdec.EagleProposer(drafter)
+    return specdec.EagleProposer(drafter, sampler if p.draft_sampling == "sample" else None)
+
+
+def sampler_for(p: Params, temperature: float, seed: int, pr: Prompt, salt: str = "") -> Sampler:
+    """The target's sampling for one prompt, seeded by (seed, temperature, dataset, id): reruns repeat it."""
+    from eagle_lib.serving.sampling import Sampler
+
+    key = int(store.stable_hash([seed, temperature, pr.dataset, pr.id, salt], 8), 16)
+    return Sampler(temperature, p.top_p if temperature else 1.0, p.top_k if temperature else 0, key)
 
 
 def decode_offline(
-    target, drafter, prompts: dict[str, list[Prompt]], p: Params, eos_ids: list[int], out: Path
+    target, drafter, prompts: dict[str, list[Prompt]], p: Params, eos_ids: list[int], out: Path, seed: int = 0
 ):
-    """Every method on every prompt; appends records to out (JSONL) and returns them."""
+    """Every method on every prompt at every temperature; appends records to out (JSONL) and returns them."""
+    from eagle_lib.serving import specdec
+
     gens = []
     methods = ["none"] + [m for m in p.methods if m != "none"]
     runners = {
         False: specdec.TargetRunner(target),
-        True: specdec.TargetRunner(target, drafter.config.aux_layers),
+        True: specdec.TargetRunner(target, drafter.config.aux_layers) if drafter is not None else None,
     }
-    for ds, ps in prompts.items():
-        for pr in ps:
-            ref = None
-            for m in methods:
-                prop = proposer_for(m, p, drafter)
-                g = specdec.speculative_generate(
-                    runners[prop.needs_features], prop, pr.prompt_ids, p.eval_max_new_tokens, p.num_steps, eos_ids
-                )
-                ref = g.output_ids if m == "none" else ref
-                rec = {
-                    "method": m,
-                    "dataset": ds,
-                    "id": pr.id,
-                    "n_prompt": len(pr.prompt_ids),
-                    "lossless": g.output_ids == ref,
-                    **vars(g),
-                }
-                store.append_jsonl(out, [rec], fsync=False)
-                gens.append(rec)
+    for temp in sorted(p.temperatures):
+        todo = methods if temp == 0 else [m for m in methods if m in p.sampled_methods]
+        for ds, ps in prompts.items():
+            for pr in ps:
+                ref = None
+                for m in todo:
+                    prop = proposer_for(m, p, drafter, sampler_for(p, temp, seed, pr, "draft"))
+                    g = specdec.speculative_generate(
+                        runners[prop.needs_features], prop, pr.prompt_ids, p.eval_max_new_tokens,
+                        p.num_steps, eos_ids, sampler_for(p, temp, seed, pr),
+                    )  # fmt: skip
+                    ref = g.output_ids if m == "none" else ref
+                    rec = {
+                        "method": m,
+                        "temperature": temp,
+                        "dataset": ds,
+                        "id": pr.id,
+                        "n_prompt": len(pr.prompt_ids),
+                        "lossless": g.output_ids == ref if temp == 0 else None,
+                        **vars(g),
+                    }
+                    store.append_jsonl(out, [rec], fsync=False)
+                    gens.append(rec)
     return gens
 
 
@@ -189,58 +263,16 @@ def eos_ids(tokenizer, target) -> list[int]:
     return sorted(ids)
 
 
-def compare_online(
-    online: dict[str, dict], tau: pd.DataFrame, gens: list[dict], engine: str, tol: float
-) -> pd.DataFrame:
-    """Online tau beside the offline eagle3 tau per dataset and pooled ('all'), the greedy-output check and
-    the diagnosis. vLLM's tau is set beside the offline tau; SGLang's (tokens / verify steps) beside the
-    offline tokens per step."""
-    col = "tau" if engine == "vllm" else "tokens_per_step"
-    off = tau[tau.method == "eagle3"].set_index("dataset")[col] if len(tau) else pd.Series(dtype=float)
-    ref = {(r["dataset"], r["id"]): r["output_ids"] for r in gens if r["method"] == "none"}
-    same = {
-        ds: [_prefix_equal(ids, ref[(ds, i)]) for i, ids in o["outputs"].items() if (ds, i) in ref]
-        for ds, o in online.items()
-    }
-    same["all"] = [x for v in same.values() for x in v]
-    taus = {ds: o["tau"] for ds, o in online.items()} | {"all": _overall_online(online, engine)}
-    rows = []
-    for ds, t in taus.items():
-        off_tau = float(off[ds]) if ds in off.index else None
-        diag = preflight.diagnose(off_tau, t, tol)
-        eq = sum(same[ds]) / len(same[ds]) if same[ds] else float("nan")
-        rows.append(
-            {
-                "dataset": ds,
-                "engine": engine,
-                "online_tau": t,
-                "offline": off_tau,
-                "greedy_equal": eq,
-                "verdict": diag["verdict"],
-                "message": diag["message"],
-                "causes": diag["causes"],
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def _prefix_equal(a: list[int], b: list[int]) -> bool:
-    """Equal on the common length (a server may stop on other stop ids or trim the stop token)."""
-    n = min(len(a), len(b))
-    return n > 0 and a[:n] == b[:n]
-
-
+# --- online -------------------------------------------------------------------------------------------
 def _online(
     p: Params, shared, exports: dict[str, Path], prompts: dict[str, list[Prompt]], out: Path, max_pos: int
 ):
-    """Raw online results per dataset: a given server, or a local vLLM CPU server on the exported drafter."""
-    conc = (p.online_concurrency, p.online_timeout_s)
-    vargs = (p.num_steps, *conc)
-    if p.online_engine == "sglang":
-        return specdec.online_sglang(p.online_url.rstrip("/"), prompts, p.eval_max_new_tokens, *conc)
-    if p.online_url:
-        return specdec.online_vllm(
-            p.online_url.rstrip("/"), p.online_model, prompts, p.eval_max_new_tokens, *vargs
+    """{temperature: raw online results per dataset}: a given server, or a local vLLM CPU server on the export."""
+    from eagle_lib import models
+
+    if p.online_engine == "sglang" or p.online_url:
+        return _measure(p, shared, p.online_url.rstrip("/"), p.online_model, prompts), p.online_url.rstrip(
+            "/"
         )
     from eagle_lib.engines.vllm_server import start_vllm
 
@@ -252,20 +284,44 @@ def _online(
         tokenizer=models.resolve(shared.tokenizer_path),
         max_model_len=max_len,
         log_dir=out / "vllm",
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # exposes /server_info: the live preflight reads its spec config
     ) as srv:
-        return specdec.online_vllm(srv.base_url, srv.model, prompts, p.eval_max_new_tokens, *vargs)
+        raw = _measure(p, shared, srv.base_url, srv.model, prompts)
+        return raw, srv.base_url, _live(p, srv.base_url, exports[p.online_format], raw)
 
 
-def _overall_online(raw: dict[str, dict], engine: str) -> float:
-    if engine == "vllm":
-        drafts = sum(o["drafts"] for o in raw.values())
-        return 1 + sum(o["accepted"] for o in raw.values()) / drafts if drafts else float("nan")
-    verify = sum(o["spec_verify_ct"] for o in raw.values())
-    return sum(o["completion_tokens"] for o in raw.values()) / verify if verify else float("nan")
+def _measure(p: Params, shared, url: str, model: str, prompts: dict[str, list[Prompt]]) -> dict[float, dict]:
+    from eagle_lib.serving import online
+
+    raw = {}
+    for temp in p.online_temps:
+        s = online.Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)
+        kw = dict(
+            concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=shared.seed
+        )
+        if p.online_engine == "sglang":
+            raw[temp] = online.online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
+        else:
+            raw[temp] = online.online_vllm(url, model, prompts, p.eval_max_new_tokens, p.num_steps, **kw)
+    return raw
+
+
+def _live(p: Params, url: str, drafter_dir: Path, raw: dict[float, dict]) -> list[dict]:
+    """The running server's own account of its speculative settings, checked against the intended ones."""
+    from eagle_lib.serving import live
+
+    taus = [r["tau"] for per in raw.values() for r in per.values()]
+    tau = sum(taus) / len(taus) if taus else None
+    return [
+        c.__dict__ for c in live.check_server(p.online_engine, url, str(drafter_dir), p.num_steps, tau=tau)
+    ]
 
 
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:
     """Stage 05's exports when complete, else export the drafter (load()) into eval/export/ (both formats)."""
+    from eagle_lib import models
+    from eagle_lib.serving import export
+
     made = {f: cfg.out("drafter", "export", f) for f in export.FORMATS}
     if all((d / export.CONFIG).exists() and (d / export.WEIGHTS).exists() for d in made.values()):
         return made
@@ -276,38 +332,11 @@ def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load)
     )
 
 
-def headline(tau: pd.DataFrame, pf: list[dict], online: pd.DataFrame | None, p: Params) -> dict:
-    """The numbers report.record keeps: taus, per-position acceptance, speedups, losslessness, checks."""
-    h: dict = {"preflight_ok": all(r["ok"] for r in pf)}
-    k = p.num_steps
-    if len(tau):
-        allr = tau[tau.dataset == "all"].set_index("method")
-        h["lossless"] = bool(tau.lossless.all())
-        h["prompts"] = int(allr.prompts.iloc[0])
-        for m in allr.index:
-            h[f"tau_{m}"] = float(allr.loc[m, "tau"])
-        if "eagle3" in allr.index:
-            e = allr.loc["eagle3"]
-            h["acc_eagle3"] = [float(e[f"acc_{i}"]) for i in range(1, k + 1)]
-            h["cond_acc_eagle3"] = [float(e[f"cond_acc_{i}"]) for i in range(1, k + 1)]
-            h["est_speedup_eagle3"] = float(e.est_speedup)
-            h["measured_speedup_eagle3"] = float(e.measured_speedup)
-            per = tau[(tau.method == "eagle3") & (tau.dataset != "all")]
-            h["tau_eagle3_by_dataset"] = dict(zip(per.dataset, per.tau.astype(float), strict=True))
-    if online is not None:
-        allr = online.set_index("dataset").loc["all"]
-        per = online[online.dataset != "all"]
-        h["online_tau"] = float(allr.online_tau)
-        h["online_tau_by_dataset"] = dict(zip(per.dataset, per.online_tau.astype(float), strict=True))
-        h["online_verdicts"] = dict(zip(per.dataset, per.verdict, strict=True))
-        h["online_greedy_equal"] = float(allr.greedy_equal)
-        h["online_verdict"] = {key: allr[key] for key in ("verdict", "message", "causes")}
-    return h
-
-
 def _models(cfg: params.StageConfig, drafter_dir: Path):
     """(target or None, drafter or None, target text config dict): loaded only when decoding offline."""
+    from eagle_lib import models
     from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import preflight
 
     if not cfg.stage.offline:
         return None, None, preflight.target_text_config(cfg.shared.target, cfg.shared.trust_remote_code)
@@ -318,6 +347,8 @@ def _models(cfg: params.StageConfig, drafter_dir: Path):
 
 def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict) -> list[dict]:
     """Preflight every export against the target and the intended commands."""
+    from eagle_lib.serving import preflight
+
     p, sh = cfg.stage, cfg.shared
     launch = {
         "num_steps": p.num_steps,
@@ -339,133 +370,56 @@ def _trained_aux(drafter_dir: Path) -> list[int] | None:
 
 
 def run(cfg: params.StageConfig) -> Eval:
-    """The whole stage: held-out prompts, exports + preflight, offline decoding, online check, files."""
+    """The whole stage: prompts, exports + preflight, offline decoding, online check, files."""
+    from eagle_lib import models
     from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import online
+    from eagle_lib.serving import tables as tbl
 
     p, shared, started, out = cfg.stage, cfg.shared, time.time(), cfg.out("eval")
     out.mkdir(parents=True, exist_ok=True)
     prompts, tally = heldout_prompts(cfg.run_dir, shared.heldout_percent, p)
-    if not prompts:
+    tok = models.load_tokenizer(shared)
+    extra, set_tally = eval_set_prompts(p, tok)
+    if not prompts and not extra:
         raise ValueError(
-            f"{cfg.run_dir / 'data'}: no held-out prompts (heldout_percent={shared.heldout_percent}); "
-            f"dropped: {tally['dropped']}"
+            f"{cfg.run_dir / 'data'}: no held-out prompts (heldout_percent={shared.heldout_percent}) and no "
+            f"eval_sets; dropped: {tally['dropped']}"
         )
+    prompts |= extra
     drafter_dir = Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final")
     target, drafter, tcfg = _models(cfg, drafter_dir)
     exports = ensure_exports(cfg, drafter_dir, tcfg, lambda: drafter or load_drafter(drafter_dir))
     pf = preflight_all(exports, cfg, tcfg)
     store.write_json(out / "preflight.json", pf)
     gens: list[dict] = []
+    eos = eos_ids(tok, target)
     if p.offline:
         (out / "generations.jsonl").unlink(missing_ok=True)
-        eos = eos_ids(models.load_tokenizer(shared), target)
-        gens = decode_offline(target, drafter, prompts, p, eos, out / "generations.jsonl")
-    ratio = p.step_cost_ratio or cost_ratio(gens)
-    tau, pos, hist = tables(gens, p.num_steps, ratio) if gens else (pd.DataFrame(),) * 3
-    for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist)):
+        gens = decode_offline(target, drafter, prompts, p, eos, out / "generations.jsonl", shared.seed)
+    ratio = p.step_cost_ratio or tbl.cost_ratio(gens)
+    tau, pos, hist = tbl.tables(gens, p.num_steps, ratio) if gens else (pd.DataFrame(),) * 3
+    ctx = tbl.context_table(gens, p.context_buckets, p.num_steps)
+    for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist), ("context", ctx)):
         df.to_csv(out / f"{name}.csv", index=False)
-    online = None
+    on, live = None, []
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
-        raw = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)))
-        online = compare_online(raw, tau, gens, p.online_engine, p.online_tolerance)
-        store.write_json(out / "online.json", {"engine": p.online_engine, "datasets": raw})
-    h = {**headline(tau, pf, online, p), "cost_ratio": ratio}
-    done = time.time()
-    meta = {
-        **tally,
-        "params": p.model_dump(),
-        "drafter_dir": str(drafter_dir),
-        "headline": h,
-        "exports": {k: str(v) for k, v in exports.items()},
-        "started": started,
-        "finished": done,
-        "seconds": done - started,
+        raw, url, *rest = _online(
+            p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096))
+        )
+        live = rest[0] if rest else _live(p, url, exports[p.online_format], raw)
+        on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
+        on.to_csv(out / "online.csv", index=False)
+        store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw})
+        store.write_json(out / "live_preflight.json", live)
+    h = {
+        **tbl.headline(tau, ctx, pf, on, p.num_steps, p.temperatures),
+        "cost_ratio": ratio,
+        "live_preflight_ok": all(c["ok"] for c in live),
     }
-    store.check_tally(meta, str(out / "meta.json"))
-    store.write_json(out / "meta.json", meta)
-    return Eval(tau, pos, hist, pf, online, h, out)
-
-
-# --- what the notebook shows ----------------------------------------------------------------------------
-def tau_summary(ev: Eval) -> pd.DataFrame:
-    """tau per dataset (rows) and method (columns), with the number of prompts and losslessness."""
-    if not len(ev.tau):
-        return pd.DataFrame()
-    t = ev.tau.pivot(index="dataset", columns="method", values="tau")
-    t.insert(0, "prompts", ev.tau.groupby("dataset").prompts.max())
-    t["lossless"] = ev.tau.groupby("dataset").lossless.all()
-    return t.loc[sorted(t.index, key=lambda d: (d == "all", d))]
-
-
-def baseline_table(ev: Eval) -> pd.DataFrame:
-    """All datasets pooled, one row per method: tau, measured and estimated speedup, seconds per token."""
-    cols = [
-        "method",
-        "tau",
-        "tokens_per_step",
-        "measured_speedup",
-        "est_speedup",
-        "s_per_token",
-        "steps",
-        "tokens",
-    ]
-    return ev.tau[ev.tau.dataset == "all"][cols].set_index("method") if len(ev.tau) else pd.DataFrame()
-
-
-def preflight_table(ev: Eval) -> pd.DataFrame:
-    """One row per preflight check of every export (format, check, ok, severity, message)."""
-    return pd.DataFrame([{"format": r["format"], **c} for r in ev.preflight for c in r["checks"]])
-
-
-def launch_text(ev: Eval) -> str:
-    """The launch commands preflight printed, per export format."""
-    return "\n\n".join(
-        f"[{r['format']}] {name}:\n{cmd}" for r in ev.preflight for name, cmd in r["commands"].items()
-    )
-
-
-def plot_positions(ev: Eval):
-    """Per-position acceptance of eagle3 (unconditional, conditional), one line per dataset, all pooled in black
-    and the n-gram baseline dashed; saved as PNG."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    pos = ev.positions if len(ev.positions) else pd.DataFrame(columns=["method", "dataset", "position"])
-    titles = {"acc": "P(draft i accepted)", "cond_acc": "P(draft i accepted | drafts < i accepted)"}
-    for ax, (col, title) in zip(axes, titles.items(), strict=True):
-        for (m, ds), g in pos[pos.method.isin(["eagle3", "ngram"])].groupby(["method", "dataset"]):
-            if m == "ngram" and ds != "all":
-                continue
-            style = {"lw": 3, "color": "k"} if ds == "all" and m == "eagle3" else {"lw": 1}
-            style = {"ls": "--", "color": "grey"} if m == "ngram" else style
-            ax.plot(
-                g.position, g[col], marker="o", label=f"{ds}" if m == "eagle3" else "ngram (all)", **style
-            )
-        ax.set(title=title, xlabel="draft position", ylim=(0, 1), xticks=sorted(pos.position.unique()))
-    axes[0].set_ylabel("acceptance")
-    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
-    fig.tight_layout()
-    fig.savefig(ev.out_dir / "positions.png", dpi=110)
-    plt.close(fig)  # shown once, as the cell's value
-    return fig
-
-
-def plot_datasets(ev: Eval):
-    """tau per dataset and method as grouped bars, the server's tau as one more bar when measured; saved as PNG."""
-    import matplotlib.pyplot as plt
-
-    t = tau_summary(ev).drop(columns=["prompts", "lossless"], errors="ignore")
-    t = t[[m for m in ("none", "ngram", "eagle3") if m in t.columns]]
-    if ev.online is not None and len(t):
-        t[f"eagle3 online ({ev.online.engine.iloc[0]})"] = ev.online.set_index("dataset").online_tau
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(t) + 2), 4))
-    if len(t):
-        t.plot.bar(ax=ax, rot=30)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
-    ax.set(ylabel="tau (accepted + 1 per target step)", xlabel="")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    fig.tight_layout()
-    fig.savefig(ev.out_dir / "tau_by_dataset.png", dpi=110)
-    plt.close(fig)  # shown once, as the cell's value
-    return fig
+    h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on)
+    meta = {**tally, "eval_sets": set_tally, "params": p.model_dump(), "drafter_dir": str(drafter_dir),
+            "headline": h, "exports": {k: str(v) for k, v in exports.items()}}  # fmt: skip
+    store.write_meta(out, meta, started, tally=True)
+    return Eval(tau, pos, hist, ctx, pf, on, live, h, h["answer"], p.reference_text, out)

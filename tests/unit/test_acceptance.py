@@ -1,12 +1,16 @@
 """Stage 06: held-out prompt selection and the whole stage on a tiny run directory."""
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from eagle_lib import acceptance, params, store
-from eagle_lib.serving import specdec
+from eagle_lib.data import evalsets
+from eagle_lib.serving import online
+from eagle_lib.serving import tables as tbl
 
 torch.set_num_threads(1)
 
@@ -78,15 +82,27 @@ def test_run_on_tiny_run_dir(tmp_path):
     recs = [r for r in recs if store.is_heldout(r["id"], 5.0)][:4]
     store.append_jsonl(run_dir / "data" / "B" / "tiny" / "prompts.jsonl", recs)
     shared = params.SharedParams(target=str(world), device="cpu")
-    p = acceptance.Params(max_prompts_per_dataset=3, eval_max_new_tokens=12, methods=["none", "ngram", "eagle3"])
+    p = acceptance.Params(
+        max_prompts_per_dataset=3,
+        eval_max_new_tokens=12,
+        methods=["none", "ngram", "eagle3"],
+        context_buckets=[20],
+    )
     ev = acceptance.run(params.StageConfig("06_eval_acceptance", run_dir, shared, p))
     h = ev.headline
     assert h["lossless"] and h["tau_none"] == 1.0 and h["preflight_ok"] and h["prompts"] == 3
     assert set(ev.tau.method) == {"none", "ngram", "eagle3"} and "tiny" in set(ev.tau.dataset)
+    assert set(ev.tau.temperature) == {0.0, 1.0} and h["temperatures"] == [0.0, 1.0]
+    assert ev.answer.startswith("eagle3 tau ") and "at T=0 and" in ev.answer and "on 3/3 prompts" in ev.answer
+    assert (
+        set(ev.context.bucket) == {"<20", ">=20"}
+        and ev.context.steps.sum() == ev.tau[ev.tau.dataset == "all"].steps.sum()
+    )
     for f in [
         "tau.csv",
         "positions.csv",
         "accepted_hist.csv",
+        "context.csv",
         "preflight.json",
         "meta.json",
         "generations.jsonl",
@@ -95,31 +111,104 @@ def test_run_on_tiny_run_dir(tmp_path):
     meta = store.read_json(run_dir / "eval" / "meta.json")
     assert meta["kept"] == 3 and meta["dropped"] == {"over_cap": 1}
     assert (run_dir / "eval" / "export" / "speculators" / "config.json").exists()
-    assert len(store.read_jsonl(run_dir / "eval" / "generations.jsonl")) == 9
+    assert len(store.read_jsonl(run_dir / "eval" / "generations.jsonl")) == 18  # 3 prompts x 3 methods x 2 T
 
 
 def test_compare_online_flags_a_collapsed_server():
-    """Offline tau 2.5 on both datasets; the server accepts nothing on one: that row and 'all' are flagged."""
+    """Offline tau 2.5 on both datasets; the server accepts nothing on one: that row and 'all' are flagged;
+    whole outputs are compared (a shared prefix is not enough, a trimmed stop token is)."""
     gens = [
         {
             "method": m,
+            "temperature": 0.0,
             "dataset": ds,
             "id": f"{ds}0",
             "accepted": acc,
-            "output_ids": [1, 2, 3],
+            "output_ids": [1, 2, 3, 9],
             "total_s": 1.0,
             "lossless": True,
         }
-        for ds in ("x", "y")
+        for ds in ("x", "y", "z")
         for m, acc in (("none", [0, 0]), ("eagle3", [2, 1]))
     ]
-    tau, _, _ = specdec.tables(gens, 3, cost_ratio=0.1)
+    tau, _, _ = tbl.tables(gens, 3, cost_ratio=0.1)
     raw = {
-        "x": {"tau": 2.5, "drafts": 2, "accepted": 3, "outputs": {"x0": [1, 2, 3]}},
-        "y": {"tau": 1.0, "drafts": 8, "accepted": 0, "outputs": {"y0": [1, 2, 9]}},
+        0.0: {
+            "x": {
+                "tau": 2.5,
+                "drafts": 2,
+                "accepted": 3,
+                "outputs": {"x0": [1, 2, 3]},
+            },  # stop token 9 trimmed
+            "y": {
+                "tau": 1.0,
+                "drafts": 8,
+                "accepted": 0,
+                "outputs": {"y0": [1, 2, 3]},
+            },  # a prefix, other stop
+            "z": {"tau": 2.5, "drafts": 2, "accepted": 3, "outputs": {"z0": [1, 2, 3, 9, 4]}},
+        }
     }
-    on = acceptance.compare_online(raw, tau, gens, "vllm", 0.2).set_index("dataset")
+    on = online.compare(raw, tau, gens, "vllm", 0.2, eos_ids=[9]).set_index("dataset")
     assert on.loc["x", "verdict"] == "agree" and on.loc["y", "verdict"] == "collapsed"
     assert any("EAGLE3" in c for c in on.loc["y", "causes"])
-    assert on.loc["all", "online_tau"] == pytest.approx(1 + 3 / 10) and on.loc["all", "verdict"] == "lower"
-    assert on.loc["all", "greedy_equal"] == 0.5 and on.loc["y", "greedy_equal"] == 0.0
+    assert on.loc["all", "online_tau"] == pytest.approx(1 + 6 / 12) and on.loc["all", "verdict"] == "lower"
+    assert on.loc["x", "greedy_equal"] == 1.0 and on.loc["z", "greedy_equal"] == 0.0
+    on = online.compare(raw, tau, gens, "vllm", 0.2, eos_ids=[5]).set_index("dataset")  # 9 is not a stop id
+    assert on.loc["x", "greedy_equal"] == 0.0
+
+
+# --- eval sets --------------------------------------------------------------------------------------------
+EVAL_DIR = Path(__file__).resolve().parents[1] / "data" / "evalsets"
+FIRST_MESSAGE = {  # what each schema's adapter must send, read from the files independently
+    "mt_bench": lambda r: r["turns"][0],
+    "speed_bench": lambda r: r["turns"][0],
+    "gsm8k": lambda r: r["question"],
+    "humaneval": lambda r: r["prompt"],
+    "math500": lambda r: r["problem"],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tests.support.tiny import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.mark.parametrize("bench", sorted(FIRST_MESSAGE))
+def test_eval_sets_render_the_first_user_turn(tokenizer, bench):
+    rows = [json.loads(x) for x in (EVAL_DIR / f"{bench}.jsonl").read_text().splitlines()]
+    es = evalsets.EvalSet(name=bench, path=str(EVAL_DIR / f"{bench}.jsonl"), benchmark=bench, max_prompts=3)
+    got, tally = evalsets.read(es, tokenizer, max_prompt_tokens=4096)
+    assert len(got) == min(3, len(rows)) and tally == {
+        "read": len(got),
+        "kept": len(got),
+        "dropped": {},
+        "rejected": 0,
+    }
+    for g, r in zip(got, rows, strict=False):
+        msgs = [{"role": "user", "content": FIRST_MESSAGE[bench](r)}]
+        ref = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert g["prompt_ids"] == tokenizer.encode(ref, add_special_tokens=False) and g["dataset"] == bench
+    if bench == "mt_bench":
+        assert [g["id"] for g in got] == ["81", "101", "111"] and got[0]["category"] == "writing"
+
+
+def test_eval_set_relative_path_and_errors(tokenizer, monkeypatch, tmp_path):
+    monkeypatch.chdir(
+        tmp_path
+    )  # as JupyterLab runs a notebook from notebooks/: the repo root is the fallback
+    es = evalsets.EvalSet(
+        name="mt", path="tests/data/evalsets/mt_bench.jsonl", benchmark="mt_bench", max_prompts=1
+    )
+    assert len(evalsets.read(es, tokenizer, 4096)[0]) == 1
+    bad = es.model_copy(update={"path": str(EVAL_DIR / "mt_bench_bad.jsonl"), "max_prompts": 5})
+    with pytest.raises(
+        evalsets.EvalSetError, match=r"mt_bench_bad.jsonl: line 2: field 'turns' must be a non-empty"
+    ):
+        evalsets.read(bad, tokenizer, 4096)
+    short = es.model_copy(update={"max_prompts": 4})
+    got, tally = evalsets.read(short, tokenizer, max_prompt_tokens=120)
+    assert tally["read"] == 4 and tally["kept"] + tally["dropped"]["too_long"] == 4
+    assert all(len(g["prompt_ids"]) <= 120 for g in got)

@@ -1,7 +1,9 @@
 """Speculative decoding: lossless against HF greedy generate, exact accounting, drafter cache == recompute;
-metrics against numpy and the peers' formula; online clients against local HTTP stand-ins."""
+speculative sampling against the target's exact output distribution; metrics against numpy and the peers'
+formula; online clients against local HTTP stand-ins."""
 
 import json
+import math
 import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.serving import specdec
+from eagle_lib.serving import online, specdec
+from eagle_lib.serving import tables as tables_mod
+from eagle_lib.serving.sampling import Sampler
 from eagle_lib.serving.specdec import (
     EagleProposer,
     NgramProposer,
@@ -224,6 +228,181 @@ def test_eagle_proposer_cache_equals_recompute(drafter):
         seq, feats = seq + new, torch.cat([feats, new_feats])
 
 
+def test_drafts_past_the_end_are_not_counted(target):
+    """Drafts accepted after the stop token or beyond max_new_tokens are not accepted output (matched keeps them)."""
+    prompt, ref, j = next(
+        (p, r, i) for p in PROMPTS for r in [hf_greedy(target, p, 20)] for i in range(1, 4) if r[i] not in r[:i]
+    )
+    g = speculative_generate(TargetRunner(target), OracleProposer(target), prompt, 20, k=4, eos_ids=[ref[j]])
+    assert g.output_ids == ref[: j + 1] and g.accepted == [j] and g.matched == [4]
+    g = speculative_generate(TargetRunner(target), OracleProposer(target), prompt, 3, k=4)
+    assert g.output_ids == ref[:3] and g.accepted == [2] and g.matched == [4]
+    assert g.ctx == [len(prompt) + 1]  # the step verified after the prompt and the prefill's token
+
+
+# --- speculative sampling: the output distribution is the target's -------------------------------------------
+SAMPLING = dict(temperature=1.0, top_p=0.9, top_k=8)  # top_k keeps the exact marginals enumerable
+SAMPLE_PROMPT = [5, 17, 9, 33, 2]
+SAMPLE_POSITIONS = 3  # generated tokens whose marginal distributions are checked
+SAMPLE_RUNS = 600
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A 3-layer float64 target with peaked next-token distributions, and a drafter initialised from it."""
+    t = tiny.llama(0, torch.float64, lm_head_scale=10.0, num_hidden_layers=3, tie_word_embeddings=False)
+    d = tiny.drafter(t.config, 96, seed=1, aux_layers=[0, 1, 2]).double()
+    init_from_target(d, t.get_input_embeddings().weight, t.lm_head.weight)
+    return t, d
+
+
+def hf_probs(logits):
+    """Reference warp with transformers' own processors: temperature, then top-k, then top-p."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    x = logits.double()
+    for w in (
+        TemperatureLogitsWarper(SAMPLING["temperature"]),
+        TopKLogitsWarper(SAMPLING["top_k"]),
+        TopPLogitsWarper(SAMPLING["top_p"]),
+    ):
+        x = w(None, x)
+    return torch.softmax(x, -1)
+
+
+@torch.no_grad()
+def exact_marginals(model, prompt, n):
+    """P(y_i = v) for the first n sampled tokens, by enumerating every prefix in the (top-k) support."""
+    prefixes, weights, out = [list(prompt)], torch.ones(1, dtype=torch.float64), []
+    for _ in range(n):
+        p = hf_probs(model(torch.tensor(prefixes)).logits[:, -1])  # (B, V), one row per prefix
+        joint = weights[:, None] * p
+        out.append(joint.sum(0))
+        idx = joint.nonzero().tolist()
+        prefixes = [prefixes[b] + [v] for b, v in idx]
+        weights = torch.tensor([float(joint[b, v]) for b, v in idx], dtype=torch.float64)
+    return out
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of counts against probs, cells with expected < 5 pooled into one."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs_cells = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_cells = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = exp_cells > 0
+    if int((counts[exp == 0]).sum()):
+        return 0.0  # a token the target never samples
+    stat = ((obs_cells[keep] - exp_cells[keep]) ** 2 / exp_cells[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2))  # chi2 survival function
+
+
+class NearTarget:
+    """Drafts sampled from the target's own top-16 tokens without top-p (q != p, its support wider than p's
+    top-8): reports q, so most drafts are accepted and some land outside p's support."""
+
+    name, needs_features = "near", False
+
+    def __init__(self, model, seed, lie=False):
+        self.model, self.gen, self.lie, self.q = model, torch.Generator().manual_seed(seed), lie, None
+
+    def start(self, seq, feats):
+        self.seq = list(seq)
+
+    @torch.no_grad()
+    def propose(self, k):
+        ids, qs = list(self.seq), []
+        for _ in range(k):
+            logits = self.model(torch.tensor([ids])).logits[0, -1].double()
+            q = torch.softmax(logits.masked_fill(logits < logits.topk(16).values[-1], -math.inf), -1)
+            ids.append(int(torch.multinomial(q, 1, generator=self.gen)))
+            qs.append(hf_probs(logits[None])[0] if self.lie else q)
+        self.q = torch.stack(qs)  # lie=True claims q = p: every draft is then accepted (a broken sampler)
+        return ids[len(self.seq) :]
+
+    def advance(self, new, feats):
+        self.seq.extend(new)
+
+
+def sampled_outputs(small, make, runs=SAMPLE_RUNS):
+    t, d = small
+    counts = torch.zeros(SAMPLE_POSITIONS, t.config.vocab_size, dtype=torch.float64)
+    runner = TargetRunner(t, d.config.aux_layers)
+    accepted = []
+    for i in range(runs):
+        g = speculative_generate(
+            runner, make(i), SAMPLE_PROMPT, SAMPLE_POSITIONS, 3, None, Sampler(**SAMPLING, seed=i)
+        )
+        for pos, tok in enumerate(g.output_ids):
+            counts[pos, tok] += 1
+        accepted += g.accepted
+    return counts, sum(accepted) / len(accepted)
+
+
+@pytest.fixture(scope="module")
+def marginals(small):
+    return exact_marginals(small[0], SAMPLE_PROMPT, SAMPLE_POSITIONS)
+
+
+# The test fails when any position's chi-square p-value is below P_MIN or its total variation from the exact
+# marginal exceeds TV_SLACK x the TV a correct sampler shows on average with this many runs,
+# E[TV] ~ 1/2 sum_v sqrt(2 p_v (1 - p_v) / (pi n)) (normal approximation of each count's deviation).
+# Seeds are fixed: the test is deterministic.
+P_MIN, TV_SLACK = 1e-3, 2.0
+
+
+def tv_tolerance(probs: torch.Tensor, n: float) -> float:
+    return TV_SLACK * 0.5 * float((2 * probs * (1 - probs) / (math.pi * n)).sqrt().sum())
+
+
+@pytest.mark.parametrize("kind", ["near", "oracle", "eagle_greedy", "eagle_sampled"])
+def test_speculative_sampling_matches_target_distribution(small, marginals, kind):
+    t, d = small
+    make = {
+        "near": lambda i: NearTarget(t, 10_000 + i),
+        "oracle": lambda i: OracleProposer(t),
+        "eagle_greedy": lambda i: EagleProposer(d),
+        "eagle_sampled": lambda i: EagleProposer(d, Sampler(**SAMPLING, seed=20_000 + i)),
+    }[kind]
+    counts, mean_acc = sampled_outputs(small, make)
+    for pos in range(SAMPLE_POSITIONS):
+        emp = counts[pos] / counts[pos].sum()
+        tv = 0.5 * float((emp - marginals[pos]).abs().sum())
+        pval, tol = chi_square_p(counts[pos], marginals[pos]), tv_tolerance(marginals[pos], SAMPLE_RUNS)
+        assert pval > P_MIN and tv < tol, f"{kind} position {pos + 1}: p={pval:.2g}, TV={tv:.3f} >= {tol:.3f}?"
+    if kind in ("near", "oracle"):  # the accept path and the bonus token are exercised, not only the residual
+        assert mean_acc > {"near": 0.8, "oracle": 0.2}[kind], f"{kind}: drafts accepted per step {mean_acc:.2f}"
+
+
+def test_distribution_check_catches_a_broken_sampler(small, marginals):
+    """The same check fails when the accept rule is fed a wrong q (claims q = p: every draft accepted)."""
+    counts, _ = sampled_outputs(small, lambda i: NearTarget(small[0], 10_000 + i, lie=True), runs=300)
+    worst = min(chi_square_p(counts[pos], marginals[pos]) for pos in range(1, SAMPLE_POSITIONS))
+    assert worst < P_MIN, f"a sampler that trusts a wrong q passed the check (p={worst:.2g})"
+
+
+def test_sampler_temperature_zero_is_greedy(small):
+    t, d = small
+    runner = TargetRunner(t, d.config.aux_layers)
+    for prompt in PROMPTS:
+        g = speculative_generate(runner, EagleProposer(d), prompt, 12, 3, None, Sampler(0.0, 0.5, 4, seed=3))
+        assert g.output_ids == hf_greedy(t, prompt, 12)
+
+
+def test_warp_matches_transformers():
+    from eagle_lib.serving.sampling import warp
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50, dtype=torch.float64) * 3
+    assert torch.allclose(warp(logits, **SAMPLING), hf_probs(logits), atol=1e-12)
+
+
 # --- metrics --------------------------------------------------------------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=60))
@@ -261,7 +440,7 @@ def test_tables_pool_steps_and_speedups():
                     "lossless": True,
                 }
             )
-    tau, pos, hist = specdec.tables(gens, 3, cost_ratio=0.1)
+    tau, pos, hist = tables_mod.tables(gens, 3, cost_ratio=0.1)
     e = tau[(tau.method == "eagle3") & (tau.dataset == "all")].iloc[0]
     assert e.tau == pytest.approx(3.0) and e.steps == 4 and e.prompts == 2
     assert e.measured_speedup == pytest.approx(2.0)  # 4 s vs 2 s for the same 5 tokens
@@ -336,18 +515,18 @@ ONLINE_PROMPTS = {
 
 def test_vllm_client_tau_from_counter_deltas(server):
     StandIn.counters = {"drafts": 100, "accepted": 40}  # earlier traffic must not count
-    res = specdec.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, num_steps=3, concurrency=2)
+    res = online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, num_steps=3, concurrency=2)
     assert res["x"]["drafts"] == 6 and res["x"]["tau"] == pytest.approx(1 + 9 / 6)
     assert res["y"]["tau"] == pytest.approx(2.5) and res["y"]["acc"][0] == pytest.approx(1.5)
     assert res["x"]["outputs"]["x1"] == [2, 3, 4]
 
 
 def test_sglang_client_tau_and_missing_meta(server):
-    res = specdec.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8)
+    res = online.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8)
     assert res["x"]["tau"] == pytest.approx(24 / 9) and res["x"]["spec_verify_ct"] == 9
     StandIn.sglang_meta = False
     with pytest.raises(ValueError, match="spec_verify_ct"):
-        specdec.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8)
+        online.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8)
 
 
 def test_parse_real_vllm_metrics_lines():
@@ -357,5 +536,5 @@ def test_parse_real_vllm_metrics_lines():
         'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/t"} 7.0\n'
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/t",position="2"} 1.0\n'
     )
-    c = specdec.vllm_spec_counters(text)
+    c = online.vllm_spec_counters(text)
     assert c["drafts"] == 15.0 and c["accepted"] == 7.0 and c["pos_2"] == 1.0

@@ -1,0 +1,142 @@
+"""Standard prompt sets for measuring acceptance (stage 06): MT-Bench, GSM8K, HumanEval, MATH500, SPEED-Bench.
+
+Each set is read from a hub id or a local json / jsonl / parquet file through :func:`eagle_lib.data.formats.
+iter_rows` and turned into one user message per row by a small adapter for its published schema:
+
+* ``mt_bench`` — FastChat's question.jsonl ``{question_id, category, turns: [str, ...]}`` or
+  HuggingFaceH4/mt_bench_prompts ``{prompt_id, category, prompt: [str, ...]}``; the first turn (later turns
+  need the target's own earlier answer).
+* ``gsm8k`` — openai/gsm8k (config main, split test) ``{question, answer}``.
+* ``humaneval`` — openai/openai_humaneval (split test) ``{task_id, prompt, canonical_solution, test,
+  entry_point}``; the code stub is the message.
+* ``math500`` — HuggingFaceH4/MATH-500 (split test) ``{problem, solution, answer, subject, level, unique_id}``.
+* ``speed_bench`` — nvidia/SPEED-Bench (configs qualitative, throughput_1k ... throughput_32k; split test)
+  ``{question_id, category, sub_category, turns: [str, ...], source, difficulty, multiturn}``; the first turn.
+
+The message is rendered with the target's chat template (generation prompt added) into prompt token ids.
+A row that does not follow its schema raises an error naming the file, the row and the reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from eagle_lib import params
+from eagle_lib.data import formats
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+Schema = Literal["mt_bench", "gsm8k", "humaneval", "math500", "speed_bench"]
+
+
+@dataclass
+class Prompt:
+    """A prompt to decode (held-out record or eval-set row): its id, dataset and token ids in the target's vocab."""
+
+    id: str
+    dataset: str
+    prompt_ids: list[int]
+
+
+class EvalSet(params.Strict):
+    """One evaluation prompt set: where it lives, its schema, how many prompts to take."""
+
+    name: str  # the dataset name in 06's tables (e.g. mt_bench)
+    path: str  # hub dataset id or a local .jsonl/.json/.parquet file
+    benchmark: Schema  # its schema: mt_bench | gsm8k | humaneval | math500 | speed_bench
+    config: str = ""  # hub config (gsm8k: main; SPEED-Bench: qualitative, throughput_1k, ...)
+    split: str = "test"  # hub split
+    max_prompts: int = 8  # the first N rows that fit max_prompt_tokens
+
+
+class EvalSetError(ValueError):
+    """A row of an eval set that does not follow its schema (the message names file, row and reason)."""
+
+
+def _text(row: dict, key: str) -> str:
+    v = row.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise EvalSetError(f"field '{key}' must be a non-empty string, got {type(v).__name__}")
+    return v
+
+
+def _first_turn(row: dict, keys: tuple[str, ...]) -> str:
+    for key in keys:
+        if key in row:
+            turns = row[key]
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+                raise EvalSetError(f"field '{key}' must be a non-empty list of strings")
+            return turns[0]
+    raise EvalSetError(f"missing field {' or '.join(repr(k) for k in keys)}")
+
+
+def _id(row: dict, keys: tuple[str, ...], fallback: str) -> str:
+    return next((str(row[k]) for k in keys if row.get(k) not in (None, "")), fallback)
+
+
+def adapt(schema: str, row: dict, fallback_id: str) -> tuple[str, str, str]:
+    """(id, user message, category) of one row in ``schema``; raises EvalSetError."""
+    if schema == "mt_bench":
+        rid = _id(row, ("question_id", "prompt_id"), fallback_id)
+        return rid, _first_turn(row, ("turns", "prompt")), str(row.get("category") or "")
+    if schema == "speed_bench":
+        rid = _id(row, ("question_id",), fallback_id)
+        return rid, _first_turn(row, ("turns",)), str(row.get("category") or "")
+    if schema == "gsm8k":
+        return fallback_id, _text(row, "question"), ""
+    if schema == "humaneval":
+        return _id(row, ("task_id",), fallback_id), _text(row, "prompt"), ""
+    if schema == "math500":
+        return _id(row, ("unique_id",), fallback_id), _text(row, "problem"), str(row.get("subject") or "")
+    raise EvalSetError(f"unknown eval-set schema {schema!r}")
+
+
+def local_path(path: str) -> str:
+    """A relative local file is looked up in the working directory, then in the repository root (so a notebook
+    run from notebooks/ finds tests/data/...); hub ids pass through."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or formats.is_hub_id(path) or not (REPO_ROOT / p).exists():
+        return path
+    return str(REPO_ROOT / p)
+
+
+def render(tokenizer, message: str) -> list[int]:
+    """The user message through the target's chat template, generation prompt added: prompt token ids."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], dict]:
+    """Up to ``es.max_prompts`` prompts ``{id, dataset, category, prompt_ids}`` and the tally
+    ``{read, kept, dropped: {too_long, over_cap}, rejected: 0}`` (a malformed row raises)."""
+    # formats.Source needs an adapter name; iter_rows only reads rows, the eval-set schema adapts them
+    src = formats.Source(
+        name=es.name, path=local_path(es.path), adapter="openai", config=es.config, split=es.split
+    )
+    out, dropped, n_read = [], Counter(), 0
+    for where, row, err in formats.iter_rows(src):
+        loc = f"{where['file']}: {'line' if 'line' in where else 'row'} {where.get('line', where.get('row'))}"
+        if err is not None:
+            raise EvalSetError(f"eval set {es.name}: {loc}: {err}")
+        if len(out) >= es.max_prompts:
+            break  # the first N that fit: nothing past them is read
+        n_read += 1
+        try:
+            rid, text, cat = adapt(es.benchmark, row, f"{es.name}:{where.get('line', where.get('row'))}")
+        except EvalSetError as e:
+            raise EvalSetError(f"eval set {es.name} ({es.benchmark}): {loc}: {e}") from None
+        ids = render(tokenizer, text)
+        if len(ids) > max_prompt_tokens:
+            dropped["too_long"] += 1
+            continue
+        out.append({"id": rid, "dataset": es.name, "category": cat, "prompt_ids": ids})
+    if not out:
+        raise EvalSetError(
+            f"eval set {es.name}: no prompt of {es.path} fits max_prompt_tokens={max_prompt_tokens} "
+            f"(read {n_read} rows)"
+        )
+    return out, {"read": n_read, "kept": len(out), "dropped": dict(dropped), "rejected": 0}

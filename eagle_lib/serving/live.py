@@ -1,0 +1,170 @@
+"""Preflight against the running server: its own account of its speculative settings, not the pasted command.
+
+* vLLM: ``GET /server_info?config_format=json`` (served when the server runs with ``VLLM_SERVER_DEV_MODE=1``)
+  gives its ``speculative_config`` — method, draft model path, num_speculative_tokens; ``/metrics`` gives the
+  spec-decode counters after a few probe requests (drafts, draft tokens per draft, accepted).
+* SGLang: ``GET /server_info`` (``/get_server_info`` on older versions) returns the server args —
+  ``speculative_algorithm``, ``speculative_draft_model_path``, ``speculative_num_steps``,
+  ``speculative_eagle_topk``, ``speculative_num_draft_tokens`` — and ``internal_states[0].avg_spec_accept_length``
+  (its documented response shape; tested here against a stand-in of that shape, not a real SGLang server).
+
+Flags: EAGLE instead of EAGLE3 (acceptance ~1.0: fc and the aux layers dropped), a draft model path other
+than the checked drafter, a different number of draft tokens, speculative decoding off, tau near 1.0.
+
+    python -m eagle_lib.serving.live vllm|sglang URL DRAFTER_DIR [--num-steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eagle_lib.engines import client
+from eagle_lib.serving.online import counter_delta, metrics_counters
+from eagle_lib.serving.preflight import Check, _same_path
+
+COLLAPSED_TAU = 1.1  # below this the server accepts almost no drafts
+PROBE_TEXT = "Write a short Python function that adds two numbers, then explain it in one sentence."
+
+
+def _method_check(out: list[Check], name: str, got: str | None, want: str, eagle: str) -> None:
+    ok = str(got or "").lower() == want.lower()
+    bad = f"{got!r}: must be {want!r}"
+    if str(got or "").lower() == eagle.lower():
+        bad += " (EAGLE-1 reads one hidden layer: fc and the aux layers are dropped, acceptance ~1.0)"
+    out.append(Check(name, ok, str(got) if ok else bad))
+
+
+def _path_check(out: list[Check], name: str, got: str | None, drafter_dir: str) -> None:
+    ok = _same_path(str(got or ""), drafter_dir)
+    out.append(Check(name, ok, str(got) if ok else f"{got!r} is not the checked drafter {drafter_dir}"))
+
+
+def _tau_check(out: list[Check], tau: float | None, source: str) -> None:
+    if tau is None or tau != tau:
+        out.append(Check("live tau", False, f"no acceptance measured ({source})", "warning"))
+        return
+    ok = tau >= COLLAPSED_TAU
+    bad = (
+        f"tau {tau:.2f} ~ 1.0 ({source}): the server accepts almost no drafts (wrong method, path or layers)"
+    )
+    out.append(Check("live tau", ok, f"tau {tau:.2f} ({source})" if ok else bad))
+
+
+def vllm_spec_config(base_url: str, timeout: float = 30.0) -> dict | None:
+    """The server's speculative_config from /server_info, or None when the endpoint is not served."""
+    try:
+        info = client.get_json(base_url + "/server_info?config_format=json", timeout)
+    except client.ServerError as e:
+        if e.status == 404:
+            return None
+        raise
+    cfg = info.get("vllm_config") or {}
+    return cfg.get("speculative_config") if isinstance(cfg, dict) else None
+
+
+def probe_vllm(
+    base_url: str, model: str = "", n: int = 3, max_tokens: int = 32, timeout: float = 300.0
+) -> dict:
+    """Counter deltas over n greedy probe requests: tau, drafts, draft_tokens, accepted."""
+    model = model or client.get_json(base_url + "/v1/models")["data"][0]["id"]
+    before = metrics_counters(base_url)
+    for i in range(n):
+        body = dict(model=model, prompt=f"{i}. {PROBE_TEXT}", max_tokens=max_tokens, temperature=0.0)
+        client.post_json(base_url + "/v1/completions", body, timeout)
+    return counter_delta(before, metrics_counters(base_url), 1)
+
+
+def check_vllm(base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None) -> list[Check]:
+    out: list[Check] = []
+    spec = vllm_spec_config(base_url)
+    if spec is None:
+        msg = "not served: start vLLM with VLLM_SERVER_DEV_MODE=1 to check its speculative config; /metrics only"
+        out.append(Check("vllm /server_info", False, msg, "warning"))
+    elif not spec:
+        out.append(
+            Check("vllm speculative_config", False, "none: the server runs without speculative decoding")
+        )
+    else:
+        _method_check(out, "vllm method (live)", spec.get("method"), "eagle3", "eagle")
+        _path_check(out, "vllm draft model (live)", spec.get("model"), drafter_dir)
+        n = spec.get("num_speculative_tokens")
+        out.append(
+            Check(
+                "vllm num_speculative_tokens (live)", n == num_steps, f"{n} (intended {num_steps})", "warning"
+            )
+        )
+    try:
+        d = probe_vllm(base_url)
+    except ValueError as e:  # no spec-decode counters
+        out.append(Check("vllm spec-decode metrics", False, str(e)))
+        return out
+    per = d["draft_tokens"] / d["drafts"] if d["drafts"] else None
+    ok = per is not None and abs(per - num_steps) < 1e-9
+    out.append(Check("vllm draft tokens per step (metrics)", ok, f"{per} (intended {num_steps})", "warning"))
+    _tau_check(
+        out, tau if tau is not None else d["tau"], "measured" if tau is not None else "3 probe requests"
+    )
+    return out
+
+
+def sglang_server_args(base_url: str, timeout: float = 30.0) -> dict:
+    """SGLang's server args from /server_info, falling back to /get_server_info (older versions)."""
+    try:
+        return client.get_json(base_url + "/server_info", timeout)
+    except client.ServerError as e:
+        if e.status != 404:
+            raise
+        return client.get_json(base_url + "/get_server_info", timeout)
+
+
+def check_sglang(base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None) -> list[Check]:
+    out: list[Check] = []
+    a = sglang_server_args(base_url)
+    _method_check(
+        out, "sglang speculative_algorithm (live)", a.get("speculative_algorithm"), "EAGLE3", "EAGLE"
+    )
+    _path_check(
+        out, "sglang speculative_draft_model_path (live)", a.get("speculative_draft_model_path"), drafter_dir
+    )
+    steps, topk, tokens = (
+        a.get(k) for k in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    )
+    ok = steps == num_steps and (topk != 1 or tokens == steps + 1)
+    msg = f"{steps} steps, topk {topk}, {tokens} draft tokens (intended {num_steps} steps)"
+    out.append(Check("sglang draft steps (live)", ok, msg, "warning"))
+    states = a.get("internal_states") or [{}]
+    live_tau = states[0].get("avg_spec_accept_length") if isinstance(states[0], dict) else None
+    _tau_check(
+        out, tau if tau is not None else live_tau, "measured" if tau is not None else "avg_spec_accept_length"
+    )
+    return out
+
+
+def check_server(
+    engine: str, base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None
+) -> list[Check]:
+    """Every live check of a running vLLM or SGLang server; tau = an acceptance measured by the caller."""
+    url = base_url.rstrip("/")
+    if engine == "vllm":
+        return check_vllm(url, drafter_dir, num_steps, tau)
+    if engine == "sglang":
+        return check_sglang(url, drafter_dir, num_steps, tau)
+    raise ValueError(f"live preflight: engine must be vllm or sglang, got {engine!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eagle_lib.serving.live", description=__doc__.split("\n")[0])
+    ap.add_argument("engine", choices=["vllm", "sglang"])
+    ap.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:30000")
+    ap.add_argument("drafter_dir", help="the drafter the server should serve")
+    ap.add_argument("--num-steps", type=int, default=3)
+    a = ap.parse_args(argv)
+    checks = check_server(a.engine, a.url, a.drafter_dir, a.num_steps)
+    for c in checks:
+        print(f"[{'ok  ' if c.ok else ('FAIL' if c.severity == 'error' else 'warn')}] {c.name}: {c.message}")
+    return 0 if all(c.ok or c.severity != "error" for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Online acceptance: the held-out prompts sent to a server with the drafter loaded, tau from its own counters.
+
+* vLLM (OpenAI ``/v1/completions`` with token ids): tau = 1 + accepted / drafts from the deltas of the
+  ``vllm:spec_decode_*`` counters on ``/metrics``, per dataset (datasets run one after another, so each delta
+  belongs to one dataset; the server must carry no other traffic meanwhile).
+* SGLang (native ``/generate`` with ``input_ids``): tau = sum completion_tokens / sum spec_verify_ct from each
+  answer's ``meta_info`` (SGLang's accept length, which counts the prefill token too).
+
+Requests use the same sampling as the offline run (temperature, top_p, top_k; temperature 0 = greedy). Sampled
+requests carry a per-prompt seed so a rerun sends the same requests.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from eagle_lib.engines import client
+from eagle_lib.serving.specdec import Prompt
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The request sampling: temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+GREEDY = Sampling()
+
+
+def vllm_spec_counters(metrics_text: str) -> dict:
+    """vLLM's spec-decode counters from /metrics text, summed over label sets: drafts, draft_tokens, accepted,
+    and accepted per draft position (pos_0, pos_1, ...); ``series`` counts the matching lines."""
+    names = {
+        "vllm:spec_decode_num_drafts_total": "drafts",
+        "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+    }
+    out: dict[str, float] = {v: 0.0 for v in names.values()}
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        base, _, labels = name.partition("{")
+        if base in names:
+            out[names[base]] += float(value)
+            out["series"] = out.get("series", 0) + 1
+        elif base == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = labels.split('position="')[1].split('"')[0]
+            out[f"pos_{pos}"] = out.get(f"pos_{pos}", 0.0) + float(value)
+    return out
+
+
+def _map(fn, items, concurrency: int) -> list:
+    with ThreadPoolExecutor(max(1, concurrency)) as ex:
+        return list(ex.map(fn, items))
+
+
+def _seed(pr: Prompt, seed: int) -> int:
+    """A per-prompt request seed (stable across runs: no Python hash randomisation)."""
+    return (seed * 1_000_003 + sum((i + 1) * ord(c) for i, c in enumerate(pr.id))) % (2**31)
+
+
+def metrics_counters(base_url: str) -> dict:
+    """The spec-decode counters now; an error naming the cause when the server has none."""
+    c = vllm_spec_counters(client.get_text(base_url + "/metrics"))
+    if not c.get("series"):
+        raise ValueError(
+            f"{base_url}/metrics has no vllm:spec_decode_* counters: speculative decoding is off, "
+            "or the server runs with --disable-log-stats (which also disables the metrics)"
+        )
+    return c
+
+
+def counter_delta(before: dict, after: dict, num_steps: int) -> dict:
+    """tau, drafts, accepted, per-position acceptance from two counter snapshots."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = d["drafts"]
+    tau = 1 + d["accepted"] / n if n else float("nan")
+    acc = [d.get(f"pos_{i}", 0.0) / n if n else float("nan") for i in range(num_steps)]
+    return dict(tau=tau, drafts=n, accepted=d["accepted"], draft_tokens=d["draft_tokens"], acc=acc)
+
+
+def online_vllm(
+    base_url: str,
+    model: str,
+    prompts: dict[str, list[Prompt]],
+    max_new_tokens: int,
+    num_steps: int = 3,
+    concurrency: int = 4,
+    timeout_s: float = 600.0,
+    sampling: Sampling = GREEDY,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Per dataset: completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas."""
+    model = model or client.get_json(base_url + "/v1/models")["data"][0]["id"]
+
+    def one(pr: Prompt) -> list[int]:
+        body = dict(
+            model=model,
+            prompt=pr.prompt_ids,
+            max_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            return_token_ids=True,
+        )
+        if not sampling.greedy:
+            body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=_seed(pr, seed))
+        ans = client.post_json(base_url + "/v1/completions", body, timeout_s)
+        return list(ans["choices"][0]["token_ids"])
+
+    out = {}
+    for ds, ps in prompts.items():
+        before = metrics_counters(base_url)
+        outputs = _map(one, ps, concurrency)
+        res = counter_delta(before, metrics_counters(base_url), num_steps)
+        out[ds] = {**res, "outputs": {pr.id: o for pr, o in zip(ps, outputs, strict=True)}}
+    return out
+
+
+def online_sglang(
+    base_url: str,
+    prompts: dict[str, list[Prompt]],
+    max_new_tokens: int,
+    concurrency: int = 4,
+    timeout_s: float = 600.0,
+    sampling: Sampling = GREEDY,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Per dataset: /generate calls; tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
+    length, which counts the prefill token too)."""
+
+    def one(pr: Prompt) -> dict:
+        sp: dict = {"temperature": sampling.temperature, "max_new_tokens": max_new_tokens}
+        if not sampling.greedy:
+            sp.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, sampling_seed=_seed(pr, seed))
+        r = client.post_json(
+            base_url + "/generate", {"input_ids": pr.prompt_ids, "sampling_params": sp}, timeout_s
+        )
+        meta = r.get("meta_info", {})
+        if "spec_verify_ct" not in meta:
+            raise ValueError(
+                f"{base_url}/generate: meta_info has no spec_verify_ct (speculative decoding is off)"
+            )
+        return {
+            "ids": list(r.get("output_ids", [])),
+            "tokens": meta["completion_tokens"],
+            "verify": meta["spec_verify_ct"],
+        }
+
+    out = {}
+    for ds, ps in prompts.items():
+        res = _map(one, ps, concurrency)
+        tokens, verify = sum(r["tokens"] for r in res), sum(r["verify"] for r in res)
+        ids = {pr.id: r["ids"] for pr, r in zip(ps, res, strict=True)}
+        tau = tokens / verify if verify else float("nan")
+        out[ds] = {"tau": tau, "completion_tokens": tokens, "spec_verify_ct": verify, "outputs": ids}
+    return out
+
+
+# --- online beside offline ----------------------------------------------------------------------------------
+def same_output(server: list[int], reference: list[int], eos: set[int]) -> bool:
+    """The server's whole output equals the offline greedy one; the only difference allowed is the stop token
+    itself, which a server may leave out of its token ids."""
+    if server == reference:
+        return True
+    return bool(reference) and reference[-1] in eos and server == reference[:-1]
+
+
+def compare(
+    raw: dict[float, dict[str, dict]], tau, gens: list[dict], engine: str, tol: float, eos_ids: list[int]
+):
+    """Online tau beside the offline eagle3 tau per temperature x dataset and pooled ('all'), the greedy-output
+    check (T=0) and the diagnosis. vLLM's tau is set beside the offline tau_uncut (its counters also count
+    drafts accepted past the stop token); SGLang's (tokens / verify steps) beside the offline tokens per step."""
+    import pandas as pd
+
+    from eagle_lib.serving.preflight import diagnose
+
+    col = "tau_uncut" if engine == "vllm" else "tokens_per_step"
+    eos, rows = set(eos_ids), []
+    for temp, per in sorted(raw.items()):
+        off = (
+            tau[(tau.method == "eagle3") & (tau.temperature == temp)].set_index("dataset")[col]
+            if len(tau)
+            else {}
+        )
+        ref = {
+            (r["dataset"], r["id"]): r["output_ids"]
+            for r in gens
+            if r["method"] == "none" and r["temperature"] == temp
+        }
+        same = {
+            ds: [same_output(ids, ref[(ds, i)], eos) for i, ids in o["outputs"].items() if (ds, i) in ref]
+            for ds, o in per.items()
+        }
+        same["all"] = [x for v in same.values() for x in v]
+        taus = {ds: o["tau"] for ds, o in per.items()} | {"all": _pooled(per, engine)}
+        for ds, t in taus.items():
+            off_tau = float(off[ds]) if ds in getattr(off, "index", []) else None
+            diag = diagnose(off_tau, t, tol)
+            eq = sum(same[ds]) / len(same[ds]) if same[ds] and temp == 0 else float("nan")
+            rows.append(dict(temperature=temp, dataset=ds, engine=engine, online_tau=t, offline=off_tau,
+                             greedy_equal=eq, verdict=diag["verdict"], message=diag["message"],
+                             causes=diag["causes"]))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _pooled(per: dict[str, dict], engine: str) -> float:
+    if engine == "vllm":
+        drafts = sum(o["drafts"] for o in per.values())
+        return 1 + sum(o["accepted"] for o in per.values()) / drafts if drafts else float("nan")
+    verify = sum(o["spec_verify_ct"] for o in per.values())
+    return sum(o["completion_tokens"] for o in per.values()) / verify if verify else float("nan")
