@@ -134,6 +134,7 @@ def fingerprint(cfg: params.StageConfig) -> str:
 
 def run(cfg: params.StageConfig) -> dict:
     """Train (or resume) and return the summary; relaunches itself under torchrun when asked."""
+    _quiet()
     p = cfg.stage
     if p.nproc_per_node > 1 and not distributed.launched():
         out = cfg.out("drafter")
@@ -150,6 +151,14 @@ def run(cfg: params.StageConfig) -> dict:
 
 
 # --- setup -------------------------------------------------------------------------------------------
+def _quiet() -> None:
+    """No model-loading progress bars or advisories: in a notebook they land in stderr cells (report noise)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _source(cfg, device, hf_config):
     """(hidden source, embedding (V, H), target lm_head or None, keep(ids) filter or None)."""
     p = cfg.stage
@@ -175,42 +184,6 @@ def _source(cfg, device, hf_config):
 
         return engine_hidden.make_source(cfg, device, hf_config, fingerprint(cfg))
     raise params.ParamsError(f"{STAGE}: hidden_source {p.hidden_source!r}: choose online or offline")
-
-
-def _vocab(cfg, train_seqs, vocab_size: int):
-    p = cfg.stage
-    tok_fp = vocab.tokenizer_fingerprint(models.load_tokenizer(cfg.shared))
-    data_fp = batches.data_fingerprint(
-        cfg.run_dir,
-        heldout=cfg.shared.heldout_percent,
-        max_seq_len=p.max_seq_len,
-        max_train=p.max_train_samples,
-        source=p.hidden_source,
-    )
-    key = vocab.cache_key(tok_fp, data_fp, p.draft_vocab_size)
-
-    def seqs():
-        return ((s.input_ids, s.loss_mask) for s in train_seqs)
-
-    vdir = cfg.out("drafter", "vocab")
-    if distributed.is_main():
-        res = vocab.load_or_build(vdir, key, p.draft_vocab_size, vocab_size, seqs)
-    distributed.barrier()
-    if not distributed.is_main():
-        res = vocab.load_or_build(vdir, key, p.draft_vocab_size, vocab_size, seqs)
-    d2t, t2d, counts, cached = res
-    return (
-        d2t,
-        t2d,
-        {
-            "key": key,
-            "coverage": vocab.coverage(counts, t2d),
-            "from_cache": cached,
-            "label_tokens": int(counts.sum()),
-            "distinct_label_tokens": int((counts > 0).sum()),
-            "majority_share": float(counts.max() / max(1, counts.sum())),
-        },
-    )
 
 
 def _schedule(p: Params, total: int):
@@ -333,7 +306,7 @@ def build(cfg: params.StageConfig, device):
         cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples, p.max_eval_samples, keep
     )
     config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
-    d2t, t2d, vinfo = _vocab(cfg, train_seqs, config.vocab_size)
+    d2t, t2d, vinfo = vocab.for_stage(cfg, train_seqs, config.vocab_size)
     torch.manual_seed(cfg.shared.seed)
     drafter = Eagle3Drafter(config)
     drafter.set_vocab_map(d2t, t2d)
@@ -379,7 +352,7 @@ def train(cfg: params.StageConfig) -> dict:
         return stopped
     chosen = checkpoints.load_best(out, fp, drafter) if p.final_checkpoint == "best_measured" else None
     heldout = ttt.evaluate(model, source, held, p.pack_len, p.rows_per_batch, device, _autocast(p, device))
-    summary = _summary(history, heldout, vinfo, tally, k, decay, total, world)
+    summary = ttt.run_summary(history, heldout, vinfo, tally, k, decay, total, world)
     if hasattr(source, "summary"):  # vllm: bytes/token, peak buffer, producer vs trainer throughput
         summary["hidden"] = source.summary()
     summary["measured"] = measure.summary(history, chosen, why_not, p)
@@ -388,73 +361,29 @@ def train(cfg: params.StageConfig) -> dict:
     return summary
 
 
-def _summary(history, heldout, vinfo, tally, k, decay, total, world) -> dict:
-    secs = sum(r["seconds"] for r in history) or float("nan")
-    last = history[-1]
-    return {
-        "steps": total,
-        "ttt_steps": k,
-        "loss_decay": decay,
-        "world_size": world,
-        "train_sequences": tally.kept,
-        "heldout_sequences": tally.heldout,
-        "train_tokens": sum(r["tokens"] for r in history),
-        "tokens_per_s": sum(r["tokens"] for r in history) / secs,
-        "final_train_loss": last["loss"],
-        "final_train_acc_k": last["acc_k"],
-        "heldout": heldout,
-        "vocab": vinfo,
-    }
-
-
 def _finish(cfg, model, config, summary, tally, t_start) -> None:
     model_state = distributed.full_model_state(model)
     if not distributed.is_main():
         return
     out = cfg.out("drafter")
     save_state(checkpoints.drafter_state(model_state), config, out / "final", {"training": summary})
-    summary["exports"] = _export(cfg, out)
+    summary["exports"] = checkpoints.export_final(cfg, out)
     store.write_json(out / "final" / "summary.json", summary)
     store.write_json(out / "summary.json", summary)
     (out / "stopped.json").unlink(missing_ok=True)
     dropped = dict(tally.dropped, heldout_for_eval=tally.heldout)
-    store.write_json(
-        out / "meta.json",
-        {
-            "read": tally.read,
-            "kept": tally.kept,
-            "dropped": dropped,
-            "rejected": 0,
-            "truncated": tally.truncated,
-            "params": cfg.stage.model_dump(),
-            "shared": cfg.shared.model_dump(),
-            "inputs": batches.data_fingerprint(cfg.run_dir),
-            "fingerprint": fingerprint(cfg),
-            "started": t_start,
-            "finished": time.time(),
-            "seconds": time.time() - t_start,
-        },
-    )
-
-
-def _export(cfg, out: Path) -> dict[str, str]:
-    """drafter/export/{sglang,speculators} from final/ (`eagle_lib.serving.export`); format -> path."""
-    from transformers import AutoConfig
-
-    from eagle_lib.drafter.model import load_drafter
-    from eagle_lib.serving import export
-
-    p, verifier = cfg.stage, models.resolve(cfg.shared.target)
-    arch = AutoConfig.from_pretrained(verifier, trust_remote_code=cfg.shared.trust_remote_code).architectures
-    paths = export.export_all(
-        load_drafter(out / "final"),
-        out / "export",
-        verifier,
-        list(arch or []),
-        p.num_speculative_tokens,
-        p.export_dtype,
-    )
-    return {fmt: str(path) for fmt, path in paths.items()}
+    meta = {
+        "read": tally.read,
+        "kept": tally.kept,
+        "dropped": dropped,
+        "rejected": 0,
+        "truncated": tally.truncated,
+        "params": cfg.stage.model_dump(),
+        "shared": cfg.shared.model_dump(),
+        "inputs": batches.data_fingerprint(cfg.run_dir),
+        "fingerprint": fingerprint(cfg),
+    }
+    store.write_meta(out, meta, t_start, tally=True)
 
 
 def main(argv: list[str]) -> None:

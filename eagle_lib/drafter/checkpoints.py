@@ -9,7 +9,7 @@ the settings fingerprint and the log history) to ``trainer.json``, so a resumed 
 under any world size and nothing in a run directory is unpickled. ``COMPLETE`` is written last: a checkpoint
 without it (a crash while saving, or one written in the older ``trainer.pt`` layout) is ignored.
 ``best_measured/`` beside the steps holds the drafter with the highest measured tau so far
-(``final_checkpoint: best_measured``).
+(``final_checkpoint: best_measured``). `export_final` writes the serving exports of ``final/``.
 """
 
 from __future__ import annotations
@@ -127,3 +127,23 @@ def load_best(out: Path, fp: str, drafter) -> int | None:
     saved = load_drafter(best, device=next(drafter.parameters()).device)
     drafter.load_state_dict(saved.state_dict())
     return int((best / "COMPLETE").read_text())
+
+
+def export_final(cfg, out: Path) -> dict[str, str]:
+    """drafter/export/{sglang,speculators} from final/ (`eagle_lib.serving.export`); format -> path."""
+    from transformers import AutoConfig
+
+    from eagle_lib import models
+    from eagle_lib.serving import export
+
+    p, verifier = cfg.stage, models.resolve(cfg.shared.target)
+    arch = AutoConfig.from_pretrained(verifier, trust_remote_code=cfg.shared.trust_remote_code).architectures
+    paths = export.export_all(
+        load_drafter(out / "final"),
+        out / "export",
+        verifier,
+        list(arch or []),
+        p.num_speculative_tokens,
+        p.export_dtype,
+    )
+    return {fmt: str(path) for fmt, path in paths.items()}

@@ -206,3 +206,23 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
             total = stats if total is None else total + stats
     model.train()
     return summarize(total)
+
+
+def run_summary(history, heldout, vinfo, tally, k, decay, total, world) -> dict:
+    """summary.json's training part: steps, TTT settings, data sizes, throughput, last and held-out metrics."""
+    secs = sum(r["seconds"] for r in history) or float("nan")
+    last = history[-1]
+    return {
+        "steps": total,
+        "ttt_steps": k,
+        "loss_decay": decay,
+        "world_size": world,
+        "train_sequences": tally.kept,
+        "heldout_sequences": tally.heldout,
+        "train_tokens": sum(r["tokens"] for r in history),
+        "tokens_per_s": sum(r["tokens"] for r in history) / secs,
+        "final_train_loss": last["loss"],
+        "final_train_acc_k": last["acc_k"],
+        "heldout": heldout,
+        "vocab": vinfo,
+    }

@@ -115,3 +115,43 @@ def load_or_build(
     save_file({"d2t": d2t, "t2d": t2d, "counts": torch.from_numpy(counts)}, str(tmp))
     tmp.replace(path)
     return d2t, t2d, counts, False
+
+
+def for_stage(cfg, train_seqs, vocab_size: int):
+    """Stage 05's draft vocab map (cached under drafter/vocab/, built on the main rank first) and its stats."""
+    from eagle_lib import models
+    from eagle_lib.drafter import batches, distributed
+
+    p = cfg.stage
+    tok_fp = tokenizer_fingerprint(models.load_tokenizer(cfg.shared))
+    data_fp = batches.data_fingerprint(
+        cfg.run_dir,
+        heldout=cfg.shared.heldout_percent,
+        max_seq_len=p.max_seq_len,
+        max_train=p.max_train_samples,
+        source=p.hidden_source,
+    )
+    key = cache_key(tok_fp, data_fp, p.draft_vocab_size)
+
+    def seqs():
+        return ((s.input_ids, s.loss_mask) for s in train_seqs)
+
+    vdir = cfg.out("drafter", "vocab")
+    if distributed.is_main():
+        res = load_or_build(vdir, key, p.draft_vocab_size, vocab_size, seqs)
+    distributed.barrier()
+    if not distributed.is_main():
+        res = load_or_build(vdir, key, p.draft_vocab_size, vocab_size, seqs)
+    d2t, t2d, counts, cached = res
+    return (
+        d2t,
+        t2d,
+        {
+            "key": key,
+            "coverage": coverage(counts, t2d),
+            "from_cache": cached,
+            "label_tokens": int(counts.sum()),
+            "distinct_label_tokens": int((counts > 0).sum()),
+            "majority_share": float(counts.max() / max(1, counts.sum())),
+        },
+    )
