@@ -1,21 +1,34 @@
 """Render conversations with the target's own chat template: token ids + assistant loss mask in one pass.
 
 The conversation is rendered ONCE with the tokenizer's template and tokenized ONCE; assistant turns are located
-as character spans of that single rendered text and mapped to tokens through the fast tokenizer's offsets, so
-the cost is one render + one tokenization whatever the number of turns (a per-turn prefix re-encode is
-O(turns x length)), and no token is ever split by concatenating separately tokenized pieces.
+as character spans of that single rendered text and mapped to tokens, so the cost is one render + one
+tokenization whatever the number of turns, and no token is split by concatenating separately tokenized pieces.
 
-Which characters are trained: for every assistant turn, everything the model writes after the assistant header
-(the generation prompt) up to and including the end-of-turn token: reasoning where the template keeps it, the
-content, tool-call markup and arguments, the end-of-turn token. Headers, separators after the end-of-turn
-token, system / user / tool turns are 0. A token is 1 when its characters overlap a trained span.
+Which characters are trained (one rule for every template): for each assistant turn, everything the template
+writes from the end of the generation prompt (``render(history, add_generation_prompt)``, when the full text holds
+all of it before this turn; else the end of the assistant header the template writes for history turns) through
+the first end-of-turn special token after the turn's content and tool calls (and end tokens right after it); a turn the template closes with no special token (e.g. a closing token written only
+after the final message) ends with its last content or tool-call character. Headers, separators after the
+end-of-turn token, system / user / tool turns are 0.
 
-The header and end-of-turn strings are learned once per template by rendering tiny probe conversations
-(:func:`probe_template`); spans are then found by scanning the full render and checked against the messages.
-When the check fails (a template whose history header differs from its generation prompt, a user who pastes
-chat markup), spans come from rendering the conversation prefix by prefix instead (correct, slower).
-Tokenizers without offsets (slow / tiktoken ones such as Kimi-K2.5's) tokenize the text cut at span
-boundaries and, by default, verify that the pieces concatenate to the tokenization of the whole text.
+How spans are found (:attr:`Encoded.method`):
+- ``scan``: one pass over the text: each assistant header (learned once by :func:`.chat_spans.probe_template`)
+  opens a turn, the next end-of-turn closes it; accepted only when a walk over ALL messages in order finds each
+  non-assistant message's content between the spans and each assistant message's content and tool calls inside
+  its own span.
+- ``fallback`` (:func:`.chat_spans.verified_spans`): every message is located by re-rendering with that message
+  replaced by a sentinel (the characters that change), the turn start by rendering the history with the
+  generation prompt; each span must lie between the neighbouring messages' text and hold its own message's
+  content and tool calls verbatim, or :class:`ChatError` is raised (the record is rejected, never kept with a
+  guessed mask). Empty assistant messages are rejected (templates disagree on rendering them).
+
+Boundary tokens: a token is trained only when ALL its characters lie inside one trained span; a token that
+straddles a span boundary (a BPE merge of a header's trailing space with the first content characters) is
+excluded (mask 0). Fast tokenizers take token character ranges from their offsets; tokenizers without offsets
+(slow / tiktoken ones such as Kimi-K2.5's) from decoding the token ids back, token by token (tokens splitting one
+character share its range, as fast offsets do), and the same rule applies, so both kinds take the same decision.
+When decoding does not reproduce the text (a tokenizer whose decode is not exact), the text is tokenized cut
+at span boundaries and the record is rejected unless the pieces concatenate to the whole text's tokenization.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Turns = Literal["all", "last"]
+Turns = Literal["all", "last", "each"]
 
 
 class ChatError(ValueError):
@@ -34,34 +47,20 @@ class ChatError(ValueError):
 class Probe:
     """What opens and closes an assistant turn in this template's renders."""
 
-    header: str  # e.g. "<|im_assistant|>assistant<|im_middle|>" (Kimi) or "<|im_start|>assistant\n" (ChatML)
-    end: str  # e.g. "<|im_end|>": the end-of-turn token text, the last trained characters of a turn
+    header: str  # e.g. "<|im_start|>assistant\n"; "" for templates with no assistant header (Mistral [INST])
+    ends: tuple[str, ...]  # end-of-turn strings: after the final turn, after a history turn (harmony differs)
+    drops_history_reasoning: bool = False  # reasoning of turns before a later user turn is not rendered
+    history_header: str = ""  # what precedes a history turn's content, when it is less than the prompt
 
 
 @dataclass
 class Encoded:
-    """One tokenized conversation."""
+    """One tokenized conversation (or, for ``turns: each``, one assistant turn with its history)."""
 
     input_ids: list[int]
     loss_mask: list[int]  # 1 = assistant token to predict (a label position), same length as input_ids
     text: str  # the rendered conversation
-    method: str  # "scan" (one-pass spans) or "prefix" (prefix-by-prefix fallback)
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    """Length of the longest common prefix (binary search over C-speed slice compares)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _without_reasoning(messages: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+    method: str  # "scan" (one-pass spans) or "fallback" (verified spans from sentinel re-renders)
 
 
 def shift_labels(input_ids: list[int], loss_mask: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -74,17 +73,34 @@ def shift_labels(input_ids: list[int], loss_mask: list[int]) -> tuple[list[int],
     return input_ids[:-1], input_ids[1:], loss_mask[1:]
 
 
+def content_of(msg: dict) -> str:
+    c = msg.get("content")
+    return c if isinstance(c, str) else ""
+
+
+def call_pieces(msg: dict) -> list[str]:
+    """Tool-call names and argument strings, in order: each must be rendered inside the turn."""
+    out = []
+    for tc in msg.get("tool_calls") or []:
+        fn = tc.get("function", tc)
+        out += [s for s in (fn.get("name", ""), fn.get("arguments", "")) if isinstance(s, str) and s]
+    return out
+
+
 class ChatEncoder:
     """Renders and tokenizes conversations for one tokenizer + template (probe computed once)."""
 
     def __init__(self, tokenizer: Any, template_kwargs: dict | None = None, verify_pieces: bool = True):
+        from eagle_lib.data import chat_spans
+
         if not getattr(tokenizer, "chat_template", None):
             raise ChatError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template")
         self.tok = tokenizer
         self.kwargs = dict(template_kwargs or {})
         self.verify_pieces = verify_pieces
         self.backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
-        self.probe = probe_template(self)
+        self.specials = chat_spans.special_strings(tokenizer)
+        self.probe = chat_spans.probe_template(self)
 
     def render(
         self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False
@@ -111,73 +127,43 @@ class ChatEncoder:
 
     def encode(self, messages: list[dict], tools: list | None = None, turns: Turns = "all") -> Encoded:
         """Token ids and loss mask of a whole conversation (assistant turns: all, or the last only)."""
+        if turns == "each":
+            raise ValueError("turns='each' yields several sequences: use encode_each")
         return self.encode_text(self.render(messages, tools), messages, tools, turns)
+
+    def encode_each(self, messages: list[dict], tools: list | None = None) -> list[Encoded]:
+        """One sequence per assistant turn, as the target saw it when it generated that turn.
+
+        Sequence i is the conversation up to and including assistant turn i, rendered by the template (so the
+        history is what the target read, and turn i, the final message, keeps its reasoning even where the
+        template drops the reasoning of earlier turns); only turn i is trained, its history is masked 0.
+        """
+        ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        return [self.encode(messages[:n], tools, "last") for n in ends]
 
     def encode_text(
         self, text: str, messages: list[dict], tools: list | None = None, turns: Turns = "all"
     ) -> Encoded:
-        """Token ids and loss mask of ``text``, the render of ``messages`` (one tokenization, spans by scan)."""
-        asst = [m for m in messages if m["role"] == "assistant"]
-        spans, method = self._scan_spans(text, asst), "scan"
+        """Token ids and loss mask of ``text``, the render of ``messages`` (one tokenization)."""
+        from eagle_lib.data import chat_spans
+
+        asst = [(i, m) for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for i, m in asst:
+            if not (content_of(m).strip() or m.get("reasoning_content") or m.get("tool_calls")):
+                raise ChatError(f"message {i}: empty assistant message (templates disagree on rendering it)")
+        spans, method = chat_spans.scan_spans(self, text, messages), "scan"
         if spans is None:
-            spans, method = self._prefix_spans(messages, tools, text), "prefix"
+            spans, method = chat_spans.verified_spans(self, messages, tools, text), "fallback"
         if turns == "last":
             spans = spans[-1:]
         ids, mask = self._tokenize_masked(text, spans)
         return Encoded(ids, mask, text, method)
 
-    # ------------------------------------------------------------ spans (character ranges of trained text)
-
-    def _scan_spans(self, text: str, asst: list[dict]) -> list[tuple[int, int]] | None:
-        """One pass: every header opens a turn, the next end-of-turn closes it; None if the check fails."""
-        header, end = self.probe.header, self.probe.end
-        starts, pos = [], text.find(header)
-        while pos >= 0:
-            starts.append(pos + len(header))
-            pos = text.find(header, pos + len(header))
-        if len(starts) != len(asst):
-            return None
-        spans = []
-        for k, (b, msg) in enumerate(zip(starts, asst, strict=True)):
-            limit = starts[k + 1] - len(header) if k + 1 < len(starts) else len(text)
-            e = text.find(end, b, limit)
-            if e < 0 or not _holds(text, b, e, msg):
-                return None
-            spans.append((b, e + len(end)))
-        return spans
-
-    def _prefix_spans(self, messages: list[dict], tools: list | None, text: str) -> list[tuple[int, int]]:
-        """Slow path: turn i starts where render(messages[:i], generation prompt) stops matching the full text.
-
-        The history before turn i is rendered both as given and without reasoning (templates that drop the
-        thinking of earlier turns render it that way inside the full conversation); the one that matches wins.
-        """
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            b = -1
-            for hist in (messages[:i], _without_reasoning(messages[:i])):
-                base = self.render(hist, tools)
-                if text.startswith(base):
-                    gen = self.render(hist, tools, add_generation_prompt=True)
-                    b = max(b, len(base) + _common_prefix_len(gen[len(base) :], text[len(base) :]))
-            if b < 0:
-                raise ChatError(
-                    f"message {i}: the template renders the history before it unlike the full text"
-                )
-            anchor = _after_message(text, b, m)
-            e = text.find(self.probe.end, anchor)
-            if e < 0:
-                raise ChatError(f"message {i}: no end-of-turn {self.probe.end!r} after the assistant turn")
-            spans.append((b, e + len(self.probe.end)))
-        return spans
-
     # ------------------------------------------------------------ tokens
 
     def _tokenize_masked(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
         if self.backend is None:
-            return self._tokenize_pieces(text, spans)
+            return self._tokenize_slow(text, spans)
         enc = self.backend.encode(text, add_special_tokens=False)
         ids = enc.ids
         mask = [0] * len(ids)
@@ -186,11 +172,28 @@ class ChatEncoder:
             if t0 is None:  # the span's characters map to no token (e.g. removed by a normalizer)
                 continue
             t1 = next(t for c in range(b - 1, a - 1, -1) if (t := enc.char_to_token(c)) is not None)
-            mask[t0 : t1 + 1] = [1] * (t1 + 1 - t0)
+            t0 += enc.token_to_chars(t0)[0] < a  # straddles the span start: holds header text, excluded
+            t1 -= enc.token_to_chars(t1)[1] > b  # straddles the span end: excluded
+            if t0 <= t1:
+                mask[t0 : t1 + 1] = [1] * (t1 + 1 - t0)
+        return ids, mask
+
+    def _tokenize_slow(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """Tokenizers without offsets: character ranges from decoding the ids (the fast path's rule applies)."""
+        ids = self.tok.encode(text, add_special_tokens=False)
+        offsets = decoded_offsets(self.tok, ids, text)
+        if offsets is None:
+            return self._tokenize_pieces(text, spans)
+        mask, k = [0] * len(ids), 0
+        for t, (s, e) in enumerate(offsets):
+            while k < len(spans) and spans[k][1] <= s:
+                k += 1
+            if k < len(spans) and spans[k][0] <= s and e <= spans[k][1] and s < e:
+                mask[t] = 1
         return ids, mask
 
     def _tokenize_pieces(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        """Tokenizers without offsets: tokenize the text cut at span boundaries, check against the whole."""
+        """Decoding is not exact: tokenize the text cut at span boundaries, check against the whole."""
         ids: list[int] = []
         mask: list[int] = []
         pos = 0
@@ -206,57 +209,22 @@ class ChatEncoder:
         return ids, mask
 
 
-def _holds(text: str, b: int, e: int, msg: dict) -> bool:
-    """Does text[b:e] hold the message's content and tool-call names (a cheap check that the span is right)?"""
-    content = (msg.get("content") or "").strip() if isinstance(msg.get("content"), str) else ""
-    if content and text.find(content, b, e) < 0:
-        return False
-    for tc in msg.get("tool_calls") or []:
-        name = tc.get("function", tc).get("name", "")
-        if name and text.find(name, b, e) < 0:
-            return False
-    return True
+def decoded_offsets(tok: Any, ids: list[int], text: str) -> list[tuple[int, int]] | None:
+    """Character range of every token, by decoding the ids one by one; None if decoding is not exact.
 
-
-def _after_message(text: str, b: int, msg: dict) -> int:
-    """Position after the message's content and tool-call names in ``text`` (searching from ``b``)."""
-    pos = b
-    content = msg.get("content") if isinstance(msg.get("content"), str) else ""
-    for needle in [content.strip()] + [
-        tc.get("function", tc).get("name", "") for tc in msg.get("tool_calls") or []
-    ]:
-        k = text.find(needle, pos) if needle else -1
-        if k >= 0:
-            pos = k + len(needle)
-    return pos
-
-
-def _special_strings(tok: Any) -> list[str]:
-    names = set(getattr(tok, "all_special_tokens", []) or [])
-    for added in (getattr(tok, "added_tokens_decoder", None) or {}).values():
-        names.add(str(getattr(added, "content", added)))
-    return sorted((n for n in names if n), key=len, reverse=True)
-
-
-def probe_template(enc: ChatEncoder) -> Probe:
-    """Learn the assistant header and end-of-turn text from renders of tiny probe conversations.
-
-    header = the longest common prefix of the generation prompt and of what precedes an assistant's content
-    in history (Kimi renders ``<think></think>`` there, which belongs to the turn, not the header); end = the
-    text after an assistant's content up to and including its last special token (ChatML's trailing newline
-    is a separator, not generated).
+    Tokens that together spell one character (byte-level pieces of a multi-byte character) share its range.
     """
-    user, reply = {"role": "user", "content": "Hi there"}, "Probe reply 7"
-    base = enc.render([user])
-    gen = enc.render([user], add_generation_prompt=True)
-    full = enc.render([user, {"role": "assistant", "content": reply}])
-    if not (gen.startswith(base) and full.startswith(base)) or reply not in full[len(base) :]:
-        raise ChatError("chat template: cannot locate the assistant turn in probe renders")
-    k = full.index(reply, len(base))
-    hist_header, after = full[len(base) : k], full[k + len(reply) :]
-    header = gen[len(base) : len(base) + _common_prefix_len(gen[len(base) :], hist_header)]
-    cut = max((after.rfind(s) + len(s) for s in _special_strings(enc.tok) if s in after), default=-1)
-    end = after[:cut] if cut > 0 else after.rstrip()
-    if not header or not end:
-        raise ChatError(f"chat template: no assistant header ({header!r}) or end-of-turn ({end!r}) found")
-    return Probe(header, end)
+    out: list[tuple[int, int]] = []
+    pos, group = 0, 0
+    for k in range(len(ids)):
+        group += 1
+        piece = tok.decode(
+            ids[k - group + 1 : k + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        if not text.startswith(piece, pos):
+            if "\ufffd" in piece and group < 4:  # an incomplete character: wait for its other bytes
+                continue
+            return None
+        out += [(pos, pos + len(piece))] * group
+        pos, group = pos + len(piece), 0
+    return out if pos == len(text) and group == 0 else None

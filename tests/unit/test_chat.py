@@ -1,57 +1,27 @@
-"""eagle_lib.data.chat: the one-pass mask equals a slow prefix-by-prefix reference, on two templates, token for token.
+"""eagle_lib.data.chat: every record of every template family is masked exactly or rejected with a reason.
 
-References used here are independent of the module under test:
-- `reference_mask`: renders the conversation prefix by prefix (the obvious method), locates each assistant turn
-  in the FULL render (eagle3-facts "two traps") and maps characters to tokens with a plain loop over offsets;
-- HF transformers' own `return_assistant_tokens_mask` on a ChatML template with `{% generation %}` blocks.
+The reference is independent of the module under test: each template of the matrix (tests/support/templates.py,
+written for this project) marks what the model generated with {% generation %} blocks; the tokenizers get the
+template without the markers, and transformers' own jinja renderer reports the marked character ranges
+(:func:`templates.reference_mask`). A kept record must equal it token for token; a fast tokenizer (offsets) and a
+slow stand-in (no offsets) must take the same decision on the same record.
 """
 
-import json
 import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from eagle_lib.data import chat, formats
 from eagle_lib.toy import datasets as toy_data
 from eagle_lib.toy import tokenizer as toy_tok
+from tests.support import templates as T
 
-# A Qwen/ChatML-style template written for these tests: newline after <|im_end|> (a separator, not trained),
-# reasoning kept only on the last assistant turn, tool calls as JSON in <tool_call> tags, tool results as user
-# turns, and {% generation %} blocks so HF can compute its own assistant mask for comparison.
-CHATML = (
-    "{%- set ns = namespace(last=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if tools -%}{{ '<|im_start|>system\\n# Tools\\n' }}"
-    "{%- for t in tools -%}{{ t | tojson }}{{ '\\n' }}{%- endfor -%}{{ '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}{{ '<|im_start|>assistant\\n' }}{% generation %}"
-    "{%- if loop.index0 == ns.last and m.reasoning_content -%}"
-    "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
-    "{%- endif -%}{{ m.content }}"
-    "{%- for tc in m.tool_calls or [] -%}"
-    '{{ \'\\n<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' + tc.function.arguments }}'
-    "{{ '}\\n</tool_call>' }}"
-    "{%- endfor -%}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{%- elif m.role == 'tool' -%}"
-    "{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
-CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 ALPHABET = "abcdefghij klmnop qrstuvwxyz ABC 0123456789 .,;:!?'\"-_(){}[]<>/|\\\n\téü中文🙂"
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-    {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
-]
+TOOLS = T.TOOLS
 
 
 def _corpus() -> list[str]:
@@ -70,58 +40,215 @@ def kimi(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chatml(tmp_path_factory):
-    """A ChatML/Qwen-style tokenizer: its own byte-level BPE, trained here, with the template above."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in CHATML_SPECIALS])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=CHATML)
-    out = tmp_path_factory.mktemp("chatml_tok")
-    hf.save_pretrained(str(out))
-    return AutoTokenizer.from_pretrained(str(out))
+def chatml():
+    return T.tokenizer("chatml")
 
 
-END_TOKEN = {"kimi": "<|im_end|>", "chatml": "<|im_end|>"}
+_ENCODERS: dict = {}
 
 
-def _no_think(msgs):
-    return [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]
+def encoders(name: str) -> tuple[chat.ChatEncoder, chat.ChatEncoder]:
+    """(fast, slow stand-in) encoders of a matrix template, built once."""
+    if name not in _ENCODERS:
+        fast, kw = T.tokenizer(name), T.MATRIX[name][2]
+        _ENCODERS[name] = chat.ChatEncoder(fast, kw), chat.ChatEncoder(T.SlowTokenizer(fast), kw)
+    return _ENCODERS[name]
 
 
-def reference_mask(tok, messages, tools=None, turns="all", end_token="<|im_end|>"):
-    """Slow, obvious: render prefix by prefix; each assistant turn = its text in the full render, through <end>."""
+def outcome(enc: chat.ChatEncoder, messages, tools, turns):
+    """What the encoder decides: the sequences (ids, mask) or ("rejected", reason)."""
+    try:
+        encs = enc.encode_each(messages, tools) if turns == "each" else [enc.encode(messages, tools, turns)]
+    except chat.ChatError as e:
+        return "rejected", str(e)
+    return [(e.input_ids, e.loss_mask) for e in encs]
 
-    def render(msgs, gen=False):
-        return tok.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=gen, tokenize=False)
 
-    full = render(messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+def check(name: str, messages: list[dict], tools: list, turns: str = "all") -> str:
+    """Exact or rejected, the same for fast and slow tokenizers; returns "kept" or "rejected"."""
+    fast, slow = encoders(name)
+    got = outcome(fast, messages, tools, turns)
+    assert outcome(slow, messages, tools, turns) == got, "fast and slow tokenizers decide differently"
+    if got[0] == "rejected":
+        assert got[1], "a rejection names its reason"
+        return "rejected"
+    if turns == "each":
+        ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        want = [T.reference_mask(name, messages[:n], tools, only_last=True)[:2] for n in ends]
+    else:
+        want = [T.reference_mask(name, messages, tools, only_last=turns == "last")[:2]]
+    assert got == [tuple(w) for w in want]
+    return "kept"
+
+
+# ---------------------------------------------------------------- random conversations
+
+text = st.text(alphabet=ALPHABET, min_size=1, max_size=30).map(str.strip).filter(bool)
+
+
+@st.composite
+def conversations(draw):
+    """Random chats: system, users quoting the assistant or pasting chat markup, answers with reasoning,
+    tool-call-only turns with tool results, now and then an empty assistant message."""
+    msgs = [{"role": "system", "content": draw(text)}] if draw(st.booleans()) else []
+    said = None
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["plain", "plain", "quote", "markup"]))
+        c = draw(text)
+        if kind == "quote" and said:
+            c = f"You said: {said}"
+        elif kind == "markup":
+            c = f"{c} {draw(st.sampled_from(T.MARKUP))} {draw(text)}"
+        msgs.append({"role": "user", "content": c})
+        shape = draw(st.sampled_from(["answer", "reasoning", "tools", "tools"] * 3 + ["empty"]))
+        if shape == "empty":
+            msgs.append({"role": "assistant", "content": ""})
             continue
-        before = [render(h, True) for h in (messages[:i], _no_think(messages[:i]))]
-        through = [
-            render(h)
-            for h in (messages[: i + 1], _no_think(messages[:i]) + [m], _no_think(messages[: i + 1]))
-        ]
-        start = next(len(p) for p in before if full.startswith(p))
-        turn = next(q for q in through if full.startswith(q))[start:]
-        spans.append((start, start + turn.rindex(end_token) + len(end_token)))
-    if turns == "last":
-        spans = spans[-1:]
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = []
-    for s, e in enc["offset_mapping"]:
-        mask.append(int(any(s < b and e > a for a, b in spans)))
-    return enc["input_ids"], mask
+        if shape == "tools":
+            calls = [T.tool_call(n, {"q": draw(text)}, k)
+                     for k, n in enumerate(draw(st.lists(st.sampled_from(["get_weather", "add"]), min_size=1, max_size=2)))]  # fmt: skip
+            asst = {
+                "role": "assistant",
+                "content": draw(st.sampled_from(["", "Let me check."])),
+                "tool_calls": calls,
+            }
+            if draw(st.booleans()):
+                asst["reasoning_content"] = draw(text)
+            msgs.append(asst)
+            msgs += [{"role": "tool", "tool_call_id": tc["id"], "content": draw(text)} for tc in calls]
+        said = draw(text)
+        asst = {"role": "assistant", "content": said}
+        if shape != "answer":
+            asst["reasoning_content"] = draw(text)
+        msgs.append(asst)
+    return msgs, (TOOLS if draw(st.booleans()) else [])
 
 
-# ---------------------------------------------------------------- conversations
+@pytest.mark.parametrize("name", list(T.MATRIX))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conv=conversations(), turns=st.sampled_from(["all", "all", "last", "each"]))
+def test_every_template_masks_exactly_or_rejects(name, conv, turns):
+    check(name, *conv, turns)
+
+
+# ---------------------------------------------------------------- the cases that used to get through
+
+QUOTE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "sure, here it is"},
+         {"role": "user", "content": "You wrote: sure, here it is"}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
+TWO = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+       {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Then done."}]  # fmt: skip
+
+
+def test_closing_token_only_after_the_final_message_never_trains_the_next_user():
+    fast, _ = encoders("final_close")
+    assert check("final_close", TWO, []) == "kept"
+    got = fast.encode(TWO)
+    trained = T.tokenizer("final_close").decode(
+        [t for t, m in zip(got.input_ids, got.loss_mask, strict=False) if m]
+    )
+    assert got.method == "fallback" and trained == "Hello thereThen done.<|im_end|>"
+
+
+def test_empty_assistant_message_is_rejected_by_every_template():
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
+    for name in ("skip_empty", "qwen3", "chatml", "mistral"):
+        with pytest.raises(chat.ChatError, match="empty assistant message"):
+            encoders(name)[0].encode(conv)
+
+
+def test_transformed_assistant_content_quoted_later_is_rejected():
+    with pytest.raises(chat.ChatError, match="verbatim"):
+        encoders("transform_quote")[0].encode(QUOTE)
+    assert (
+        check(
+            "transform_quote",
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "OK 42"}],
+            [],
+        )
+        == "kept"
+    )
+
+
+def test_system_prompt_depending_on_later_messages_exact_by_scan_else_rejected():
+    assert check("system_later", TWO, []) == "kept"  # the scan's walk finds every message where it belongs
+    pasted = [dict(TWO[0], content="see <|im_start|>assistant\n here")] + TWO[1:]
+    with pytest.raises(chat.ChatError, match="depends on later messages"):  # the fallback cannot verify it
+        encoders("system_later")[0].encode(pasted)
+
+
+def test_user_pasting_chat_markup_stays_exact():
+    conv = [{"role": "user", "content": "What does <|im_start|>assistant\n mean? <|im_end|>"},
+            {"role": "assistant", "content": "It opens a turn.", "reasoning_content": "Explain."},
+            {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Welcome."}]  # fmt: skip
+    for name in ("chatml", "qwen3", "final_close"):
+        assert check(name, conv, []) == "kept"
+    assert encoders("chatml")[0].encode(conv).method == "fallback"
+
+
+def test_bpe_merge_across_the_header_boundary_is_excluded_by_both_kinds():
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello world"}]
+    fast, slow = encoders("bpe_merge")
+    tok = T.tokenizer("bpe_merge")
+    got = fast.encode(conv)
+    pieces = [tok.decode([t]) for t in got.input_ids]
+    k = pieces.index(" Hello")  # the header's trailing space merged with the first content word
+    assert got.loss_mask[k] == 0 and got.loss_mask[k + 1] == 1
+    assert check("bpe_merge", conv, []) == "kept"
+
+
+def test_tool_call_only_turn_is_exact_where_the_template_renders_tool_calls():
+    conv = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [T.tool_call("get_weather", {"city": "Oslo"}, 0)]},
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "3 C"},
+            {"role": "assistant", "content": "It is 3 C."}]  # fmt: skip
+    kept = {n for n in T.MATRIX if n != "gemma" and check(n, conv, TOOLS) == "kept"}
+    assert {"chatml", "qwen3", "llama3", "mistral", "deepseek_v3", "harmony", "kimi", "final_close"} <= kept
+    for n in ("phi3", "llava"):  # these render no tool calls: the turn is not in the text, so rejected
+        assert check(n, conv, TOOLS) == "rejected"
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3", "llava"])
+def test_families_refused_before_now_prepare_data(name):
+    assert check(name, TWO, []) == "kept"
+    assert encoders(name)[0].encode(TWO).method in ("scan", "fallback")
+
+
+def test_probe_learns_headers_ends_and_reasoning_dropping():
+    p = {
+        n: encoders(n)[0].probe for n in ("chatml", "qwen3", "llama3", "mistral", "harmony", "kimi", "gemma")
+    }
+    assert p["chatml"].header == "<|im_start|>assistant\n" and p["chatml"].ends == ("<|im_end|>",)
+    assert p["mistral"].header == "" and p["mistral"].ends == ("</s>",)
+    assert set(p["harmony"].ends) == {"<|return|>", "<|end|>", "<|call|>"}
+    assert p["gemma"].header == "<start_of_turn>model\n"
+    assert {n for n, q in p.items() if q.drops_history_reasoning} == {"chatml", "qwen3", "harmony", "kimi"}
+
+
+def test_qwen3_enable_thinking_false_prompt_block_is_not_trained():
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    got = encoders("qwen3_no_thinking")[0].encode(conv)
+    tok = T.tokenizer("qwen3_no_thinking")
+    assert (
+        tok.decode([t for t, m in zip(got.input_ids, got.loss_mask, strict=False) if m]) == "Hello<|im_end|>"
+    )
+    assert check("qwen3_no_thinking", conv, []) == "kept"
+
+
+def test_each_turn_trains_its_own_reasoning_once():
+    conv = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]  # fmt: skip
+    for name in ("kimi", "qwen3", "harmony"):
+        fast, _ = encoders(name)
+        seqs = fast.encode_each(conv)
+        tok = T.tokenizer(name)
+        trained = [tok.decode([t for t, m in zip(e.input_ids, e.loss_mask, strict=False) if m]) for e in seqs]
+        assert "R1" in trained[0] and "A1" in trained[0] and "R2" in trained[1] and "A1" not in trained[1]
+        assert "R1" not in fast.encode(conv).text  # `all` never shows R1: the template drops it
+        assert check(name, conv, [], "each") == "kept"
+
+
+# ---------------------------------------------------------------- the toy world's own Kimi-like tokenizer
 
 
 def _toy_conversations(n: int = 25):
@@ -142,83 +269,30 @@ def _toy_conversations(n: int = 25):
 
 TOY_CONVS = _toy_conversations()
 
-text = st.text(alphabet=ALPHABET, max_size=40)
+
+def test_marked_kimi_copy_renders_exactly_like_the_toy_template(kimi):
+    plain = T.strip_markers(T.kimi_marked())
+    assert plain != toy_tok.KIMI_LIKE_TEMPLATE  # the copy is restructured ...
+    for conv in TOY_CONVS:  # ... yet renders the same text
+        want = kimi.apply_chat_template(conv["messages"], tools=conv["tools"] or None, tokenize=False)
+        got = render_jinja_template(
+            conversations=[conv["messages"]], tools=conv["tools"] or None, chat_template=plain
+        )
+        assert got[0][0] == want, conv["id"]
 
 
-@st.composite
-def conversations(draw):
-    """Random chats: optional system, user turns, assistant turns with reasoning / tool calls, tool results."""
-    msgs = [{"role": "system", "content": draw(text)}] if draw(st.booleans()) else []
-    for _ in range(draw(st.integers(1, 4))):
-        msgs.append({"role": "user", "content": draw(text)})
-        for _ in range(draw(st.integers(0, 2))):
-            calls = [
-                {"id": f"functions.{name}:{k}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps({"q": draw(text)})}}
-                for k, name in enumerate(draw(st.lists(st.sampled_from(["get_weather", "add"]), max_size=2)))
-            ]  # fmt: skip
-            asst = {"role": "assistant", "content": draw(text)}
-            if calls:
-                asst["tool_calls"] = calls
-            if draw(st.booleans()):
-                asst["reasoning_content"] = draw(text)
-            msgs.append(asst)
-            msgs += [{"role": "tool", "tool_call_id": c["id"], "content": draw(text)} for c in calls]
-    tools = TOOLS if draw(st.booleans()) else []
-    return msgs, tools
-
-
-# ---------------------------------------------------------------- tests
-
-
-@pytest.mark.parametrize("which", ["kimi", "chatml"])
-def test_probe_finds_header_and_end(which, request):
-    probe = chat.ChatEncoder(request.getfixturevalue(which)).probe
-    expected = {
-        "kimi": chat.Probe("<|im_assistant|>assistant<|im_middle|>", "<|im_end|>"),
-        "chatml": chat.Probe("<|im_start|>assistant\n", "<|im_end|>"),
-    }
-    assert probe == expected[which]
-
-
-@pytest.mark.parametrize("which", ["kimi", "chatml"])
 @pytest.mark.parametrize("turns", ["all", "last"])
-def test_every_toy_conversation_matches_reference(which, turns, request):
-    tok = request.getfixturevalue(which)
-    enc = chat.ChatEncoder(tok)
-    n_scan = 0
+def test_every_toy_conversation_is_exact_with_the_toy_tokenizer(kimi, turns):
+    enc, slow = chat.ChatEncoder(kimi), chat.ChatEncoder(T.SlowTokenizer(kimi))
+    methods = []
     for conv in TOY_CONVS:
         got = enc.encode(conv["messages"], conv["tools"], turns)
-        ids, mask = reference_mask(tok, conv["messages"], conv["tools"], turns, END_TOKEN[which])
-        assert got.input_ids == ids, conv["id"]
-        assert got.loss_mask == mask, conv["id"]
-        n_scan += got.method == "scan"
-    assert n_scan == len(TOY_CONVS)  # the one-pass path served all of them
-
-
-@pytest.mark.parametrize("which", ["kimi", "chatml"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(conv=conversations(), turns=st.sampled_from(["all", "last"]))
-def test_random_conversations_match_reference(which, conv, turns, request):
-    tok = request.getfixturevalue(which)
-    messages, tools = conv
-    got = chat.ChatEncoder(tok).encode(messages, tools, turns)
-    ids, mask = reference_mask(tok, messages, tools, turns, END_TOKEN[which])
-    assert got.input_ids == ids
-    assert got.loss_mask == mask
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(conv=conversations())
-def test_matches_transformers_generation_mask(chatml, conv):
-    """Peer reference: HF's own assistant mask from the template's {% generation %} blocks."""
-    messages, tools = conv
-    hf = chatml.apply_chat_template(
-        messages, tools=tools or None, return_dict=True, return_assistant_tokens_mask=True
-    )
-    got = chat.ChatEncoder(chatml).encode(messages, tools)
-    assert got.input_ids == hf["input_ids"]
-    assert got.loss_mask == hf["assistant_masks"]
+        ids, mask, _ = T.reference_mask("kimi", conv["messages"], conv["tools"], turns == "last", tok=kimi)
+        assert (got.input_ids, got.loss_mask) == (ids, mask), conv["id"]
+        s = slow.encode(conv["messages"], conv["tools"], turns)
+        assert (s.input_ids, s.loss_mask) == (ids, mask), conv["id"]
+        methods.append(got.method)
+    assert methods.count("scan") == len(TOY_CONVS)  # the one-pass path served all of them
 
 
 def test_ids_equal_apply_chat_template(kimi):
@@ -268,36 +342,6 @@ def test_first_assistant_token_is_trained_after_label_shift(kimi):
     assert all(buggy[i - 1] == 0 for i in firsts)
 
 
-def test_header_pasted_in_user_text_falls_back_to_prefix_method(kimi):
-    """A user quoting chat markup makes the one-pass scan ambiguous: the prefix path takes over, still exact."""
-    messages = [
-        {"role": "user", "content": "What does <|im_assistant|>assistant<|im_middle|> mean?"},
-        {"role": "assistant", "content": "It opens an assistant turn.", "reasoning_content": "Explain."},
-        {"role": "user", "content": "Thanks"},
-        {"role": "assistant", "content": "You are welcome.", "reasoning_content": "Be polite."},
-    ]
-    got = chat.ChatEncoder(kimi).encode(messages)
-    assert got.method == "prefix"
-    assert (got.input_ids, got.loss_mask) == reference_mask(kimi, messages)
-
-
-def test_pieces_path_for_tokenizers_without_offsets(kimi):
-    """Slow/tiktoken tokenizers (Kimi-K2.5's own) get the same ids and mask by tokenizing cut pieces."""
-    fast, slow = chat.ChatEncoder(kimi), chat.ChatEncoder(kimi)
-    slow.backend = None
-    for conv in TOY_CONVS[:60]:
-        a, b = fast.encode(conv["messages"], conv["tools"]), slow.encode(conv["messages"], conv["tools"])
-        assert (a.input_ids, a.loss_mask) == (b.input_ids, b.loss_mask)
-
-
-def test_pieces_path_detects_a_token_across_the_boundary(chatml):
-    """With a boundary inside a BPE merge, the pieces differ from the whole text: an error, never a wrong mask."""
-    enc = chat.ChatEncoder(chatml)
-    enc.backend = None
-    with pytest.raises(chat.ChatError, match="crosses a mask boundary"):
-        enc._tokenize_pieces("hello world", [(3, 8)])
-
-
 def test_prompt_ends_with_generation_prompt(kimi):
     msgs = [{"role": "user", "content": "Hi"}]
     ids = chat.ChatEncoder(kimi).encode_prompt(msgs)
@@ -311,8 +355,25 @@ def test_template_without_chat_template_is_an_error(chatml):
         chat.ChatEncoder(tok)
 
 
+def test_pieces_path_detects_a_token_across_the_boundary(chatml):
+    """With a boundary inside a BPE merge, the pieces differ from the whole text: an error, never a wrong mask."""
+    enc = chat.ChatEncoder(T.SlowTokenizer(chatml))
+    with pytest.raises(chat.ChatError, match="crosses a mask boundary"):
+        enc._tokenize_pieces("hello world", [(3, 8)])
+
+
+def test_slow_tokenizer_whose_decode_is_not_exact_uses_checked_pieces(kimi):
+    """No offsets and an inexact decode: pieces cut at span boundaries, checked against the whole text."""
+    slow = T.SlowTokenizer(kimi)
+    slow.decode = lambda ids, **kw: "?"  # a decoder that cannot give character ranges
+    enc, ref = chat.ChatEncoder(slow), chat.ChatEncoder(kimi)
+    for conv in TOY_CONVS[:30]:
+        a, b = enc.encode(conv["messages"], conv["tools"]), ref.encode(conv["messages"], conv["tools"])
+        assert (a.input_ids, a.loss_mask) == (b.input_ids, b.loss_mask)
+
+
 @pytest.mark.slow
-def test_every_conversation_of_the_built_toy_world_matches_reference():
+def test_every_conversation_of_the_built_toy_world_is_exact():
     """All rows of every toy dataset file, with the toy world's own tokenizer (skipped until the world is built)."""
     from eagle_lib import extract, prepare, toy
 
@@ -329,8 +390,7 @@ def test_every_conversation_of_the_built_toy_world_matches_reference():
             if conv is None:
                 continue
             got = enc.encode(conv["messages"], conv["tools"])
-            assert (got.input_ids, got.loss_mask) == reference_mask(tok, conv["messages"], conv["tools"]), (
-                conv["id"]
-            )
+            ids, mask, _ = T.reference_mask("kimi", conv["messages"], conv["tools"], tok=tok)
+            assert (got.input_ids, got.loss_mask) == (ids, mask), conv["id"]
             n += 1
     assert n > 2000
