@@ -66,9 +66,11 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
     return units, tokens, start_step * p.grad_accum
 
 
-def _stop(procs: list[subprocess.Popen], buf: Path, grace_s: float = 30.0) -> None:
-    """STOP file, then SIGTERM/SIGKILL each producer's process group (by its pid)."""
-    (buf / "STOP").touch()
+def _stop(procs: list[subprocess.Popen], stop_file: Path, grace_s: float = 30.0) -> None:
+    """This launch's stop file, then SIGTERM/SIGKILL each producer's process group (by its pid)."""
+    if all(p.poll() is not None for p in procs):
+        return
+    stop_file.touch()
     deadline = time.monotonic() + grace_s
     for proc in procs:
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
@@ -109,7 +111,7 @@ class VllmHidden:
         missing = any(not (self.buf / hb.unit_name(u)).exists() for u in range(start, len(units)))
         if start_producers and missing:
             self.procs = [self._launch(i, num_producers) for i in range(num_producers)]
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.buf)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.buf / f"STOP.{self.session}")
 
     def _write_plan(self, tokens: dict[str, list[int]], producer_cfg: dict) -> None:
         keys = list(dict.fromkeys(k for unit in self.units for k in unit))
@@ -133,7 +135,7 @@ class VllmHidden:
         if self.device.type == "cpu":
             env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
         cmd = [str(py), "-m", "eagle_lib.drafter.vllm_producer", "--buffer", str(self.buf)]
-        cmd += ["--index", str(i), "--count", str(n)]
+        cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{self.session}"]
         with open(self.buf / f"producer_{i}.log", "ab") as log:
             return subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

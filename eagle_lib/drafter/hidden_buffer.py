@@ -8,7 +8,7 @@ One buffer directory per plan (``<root>/<plan key>/rank<r>/``)::
     cursor.json            {"next": u}: the trainer has consumed every unit < u (written by the trainer)
     unit_NNNNNNNN.safetensors  hidden_states [N, n_ids, H] (storage dtype), token_ids [N], lengths [n_seq]
     producer_<i>.json      producer i's own accounting: peak/pending bytes, tokens, busy and blocked seconds
-    STOP                   the trainer asks producers to exit
+    STOP, STOP.<session>   stop every producer (by hand) / those one trainer session started
 
 Producer ``i`` of ``n`` makes units ``u % n == i`` in order. A unit's file appears by rename, so a file that
 exists is complete; the trainer deletes it after use unless ``keep_hidden_states``. Each producer may hold at

@@ -92,8 +92,9 @@ make_engine = VllmPrefill  # tests substitute an engine with the same prefill()
 
 
 class Producer:
-    def __init__(self, buf: Path, index: int, count: int):
+    def __init__(self, buf: Path, index: int, count: int, stop_file: str = "STOP"):
         self.buf, self.index, self.count = buf, index, count
+        self.stop_files = [buf / "STOP", buf / stop_file]  # by hand, or by the trainer that started us
         self.cfg = hb.read_json(buf / "producer_config.json")
         self.units = hb.read_json(buf / "plan.json")["units"]
         with open(buf / "sequences.jsonl") as f:
@@ -139,7 +140,7 @@ class Producer:
         engine = make_engine(self.cfg, scratch)
         pos = 0
         while pos < len(mine):
-            if (self.buf / "STOP").exists() or (self.parent and os.getppid() != self.parent):
+            if any(f.exists() for f in self.stop_files) or (self.parent and os.getppid() != self.parent):
                 break  # asked to stop, or the trainer that started us is gone
             cursor = hb.read_cursor(self.buf)
             self.ledger.release_consumed(cursor)
@@ -213,8 +214,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--buffer", required=True, type=Path)
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--count", type=int, default=1)
+    ap.add_argument("--stop-file", default="STOP", help="exit when this file appears in the buffer")
     a = ap.parse_args(argv)
-    Producer(a.buffer, a.index, a.count).run()
+    Producer(a.buffer, a.index, a.count, a.stop_file).run()
 
 
 if __name__ == "__main__":  # the multiprocessing engine re-imports __main__ in its workers
