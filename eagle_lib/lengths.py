@@ -1,8 +1,9 @@
 """Stage 04: are the responses truncated or too short, and how many tokens do we have?
 
-Reads A records and B responses (with `lengths_scan`, which streams them into compact per-sample arrays) and
-writes `analysis/`: per-dataset length tables, measured token totals, a bootstrap projection of the final totals
-of datasets still being generated, verdicts and plots (the last two in `lengths_report`).
+Reads A records and B responses (with `analysis.scan`, which streams them into compact per-sample arrays) and
+writes `analysis/`: per-dataset length tables, measured token totals, a projection of the final totals of
+datasets still being generated (`analysis.projection`: with 03's ledger, in-flight responses are right-censored,
+`analysis.censored`), its estimate against time, verdicts and plots (`analysis.verdicts`).
 
 Definitions. B: prompt = prompt_ids, completion = output_ids (all trainable), at limit = finish_reason "length".
 A: completion = trainable (loss-masked) tokens, prompt = the rest, at limit = truncated by 01. Reasoning tokens =
@@ -22,15 +23,25 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eagle_lib.analysis.scan import Lengths, find_sources, iter_lines, scan_all
+from eagle_lib.analysis.projection import b_plan as b_plan  # re-exported: the projection's API
+from eagle_lib.analysis.projection import bootstrap_remaining as bootstrap_remaining
+from eagle_lib.analysis.projection import projection, timeline
+from eagle_lib.analysis.scan import Lengths, find_sources, scan_all
 from eagle_lib.analysis.scan import scan_dataset as scan_dataset  # the reader's API, re-exported here
 from eagle_lib.analysis.scan import scan_file as scan_file
 from eagle_lib.analysis.scan import scan_record as scan_record
 from eagle_lib.analysis.scan import scan_response as scan_response
 from eagle_lib.params import Strict
-from eagle_lib.store import check_tally, read_json, write_json
+from eagle_lib.store import check_tally, write_json
 
 QUANTILES = (10, 50, 90, 99)
+VIEWS = {  # the answering columns of the wide tables shown in the notebook
+    "completion": ["kind", "dataset", "n", "limit", "median", "p99", "max", "share_at_limit", "n_at_limit",
+                   "share_short", "reasoning_dataset", "share_reasoning"],
+    "projection": ["kind", "dataset", "status", "method", "completed", "in_flight", "planned", "measured",
+                   "projected", "lo", "hi", "naive_projected", "shift"],
+    "tokens": ["kind", "dataset", "samples", "prompt_tokens", "trainable_tokens", "trainable_share"],
+}  # fmt: skip
 
 
 class Params(Strict):
@@ -49,6 +60,10 @@ class Params(Strict):
     min_median_ratio: float = 0.1  # warn when a median is below this fraction of the median of peers' medians
     min_samples_to_project: int = 30  # fewer completed samples than this: no projection, flagged
     bootstrap_reps: int = 2000  # bootstrap replicates of the projection interval
+    as_of: float = 0.0  # unix time the mid-run estimate describes; 0: the last start or finish in 03's files
+    censor_rate_quantile: float = 0.1  # in-flight lower bound: this quantile of a server's tokens/s x elapsed
+    typical_rate_quantile: float = 0.5  # ...and what it has typically produced (the in-flight prediction)
+    timeline_points: int = 8  # moments at which the estimate is recomputed for the "against time" plot
     interval: float = 0.95  # coverage of the projection interval
     block_bytes: int = 16777216  # bytes read per block while streaming a record file
 
@@ -135,88 +150,6 @@ def tables(
     return completion, prompt, tok
 
 
-# ---------------------------------------------------------------- projection of runs in progress
-
-
-def bootstrap_remaining(
-    values: np.ndarray, remaining: int, reps: int, rng: np.random.Generator
-) -> np.ndarray:
-    """(reps,) draws of the token total of `remaining` future samples, predicted from the measured `values`.
-
-    Each replicate resamples the measured values (a multinomial over their distinct values, so the cost does
-    not grow with n), then draws the sum of `remaining` new samples from that resample (normal, by the CLT):
-    mean and spread both vary, so the interval covers the final total, not only remaining x mean.
-    """
-    if remaining <= 0:
-        return np.zeros(reps)
-    u, c = np.unique(values, return_counts=True)
-    u, n = u.astype(np.float64), values.size
-    chunk = max(1, 4_000_000 // u.size)  # bound the (chunk, distinct) count matrix
-    out = []
-    for lo in range(0, reps, chunk):
-        counts = rng.multinomial(n, c / n, size=min(chunk, reps - lo))  # (r, distinct)
-        mean = counts @ u / n
-        var = np.maximum(counts @ (u * u) / n - mean * mean, 0.0)
-        draws = remaining * mean + np.sqrt(remaining * var) * rng.standard_normal(mean.size)
-        out.append(np.maximum(draws, 0.0))  # the normal tail must not remove tokens already counted
-    return np.concatenate(out)
-
-
-def b_plan(run_dir: Path, name: str, infer_limit: int = 0) -> tuple[int | None, bool]:
-    """(planned samples of a B dataset, None if unknown; True if 03 has finished it).
-
-    Finished: 03's infer/<ds>/meta.json names what it selected ("read"). Otherwise the prompts 02 kept (its
-    meta.json "kept", else the lines of prompts.jsonl), capped at 03's limit.
-    """
-    src, done = run_dir / "data" / "B" / name, run_dir / "infer" / name / "meta.json"
-    meta = read_json(done) if done.exists() else {}
-    if meta.get("finished") and isinstance(meta.get("read"), int):
-        return meta["read"], True
-    planned = read_json(src / "meta.json").get("kept") if (src / "meta.json").exists() else None
-    if not isinstance(planned, int) and (src / "prompts.jsonl").exists():
-        planned = sum(1 for _, line, _ in iter_lines(src / "prompts.jsonl", 1 << 24) if line.strip())
-    if not isinstance(planned, int):
-        return None, False
-    return (min(planned, infer_limit) if infer_limit > 0 else planned), False
-
-
-def projection(lengths: list[Lengths], run_dir: Path, p: Params, seed: int) -> tuple[pd.DataFrame, dict]:
-    """Per dataset and token kind: measured, remaining samples, projected final total and its interval.
-
-    Returns the table and the corpus totals (the datasets' replicates summed). A dataset with too few completed
-    samples is not projected but flagged; the corpus then counts only its measured tokens and lists it.
-    """
-    rng, tail = np.random.default_rng(seed), (1 - p.interval) / 2 * 100
-    rows, corpus_reps, unprojected = [], {}, []
-    for ls in lengths:
-        a = ls.arrays()
-        n = a["completion"].size
-        planned, finished = b_plan(run_dir, ls.name, p.infer_limit) if ls.kind == "B" else (n, True)
-        remaining = 0 if finished or planned is None else max(planned - n, 0)
-        too_few = remaining > 0 and n < max(1, p.min_samples_to_project)
-        unprojected += [f"{ls.kind}/{ls.name}"] if too_few else []
-        status = "complete" if finished or (planned is not None and remaining == 0) else "in progress"
-        status = "planned unknown" if planned is None and not finished else status
-        head = dict(status=status, completed=n, planned=planned)
-        head |= dict(remaining=remaining, too_few_to_project=too_few)
-        for kind, x in (("prompt", a["prompt"]), ("completion", a["completion"]), ("total", a["total"])):
-            measured = int(x.sum())
-            reps = measured + (0 if too_few else bootstrap_remaining(x, remaining, p.bootstrap_reps, rng))
-            corpus_reps[kind] = corpus_reps.get(kind, 0) + reps
-            lo, hi = (np.nan, np.nan) if too_few else np.percentile(reps, [tail, 100 - tail])
-            projected = np.nan if too_few else measured + remaining * (x.mean() if n else 0.0)
-            rows.append(dict(kind=ls.kind, dataset=ls.name, tokens=kind) | head
-                        | dict(measured=measured, projected=projected, lo=lo, hi=hi))  # fmt: skip
-    table = pd.DataFrame(rows)
-    corpus: dict = {"unprojected": unprojected, "interval": p.interval}
-    for kind, reps in corpus_reps.items():
-        sub = table[table.tokens == kind]
-        lo, hi = np.percentile(reps, [tail, 100 - tail])
-        projected = float(sub.projected.fillna(sub.measured).sum())
-        corpus[kind] = dict(measured=int(sub.measured.sum()), projected=projected, lo=float(lo), hi=float(hi))
-    return table, corpus
-
-
 # ---------------------------------------------------------------- the stage
 
 
@@ -233,7 +166,24 @@ class LengthReport:
     corpus: dict
     lengths: list[Lengths]
     think_id: int | None
+    estimates: dict = field(default_factory=dict)  # B dataset in progress -> censored.estimate
+    timeline: pd.DataFrame = field(default_factory=pd.DataFrame)
     figures: dict = field(default_factory=dict)
+
+    @property
+    def answer(self) -> str:
+        """The report's first line: a sentence with the numbers (tokens, truncation, what to do)."""
+        from eagle_lib.analysis.verdicts import answer
+
+        return answer(self)
+
+    def view(self, name: str) -> pd.DataFrame:
+        """The columns of a wide table that answer its question (the full table is analysis/<name>.csv)."""
+        cols = VIEWS.get(name)
+        table = getattr(self, name)
+        if name == "projection":
+            table = table[table.tokens == "completion"].assign(shift=table.projected - table.naive_projected)
+        return table[[c for c in cols if c in table]] if cols else table
 
     @property
     def headline(self) -> dict:
@@ -250,6 +200,8 @@ class LengthReport:
             "unprojected_datasets": self.corpus["unprojected"],
             "max_share_at_limit": float(c.share_at_limit.max()),
             "warnings": int((self.verdicts.level == "warn").sum()),
+            "undetermined": int((self.verdicts.level == "undetermined").sum()),
+            "in_flight": int(self.projection.in_flight[self.projection.tokens == "completion"].sum()),
             "share_at_limit": per("share_at_limit"),
             "median_completion": per("median"),
         }
@@ -292,19 +244,25 @@ def run(cfg) -> LengthReport:
     sources = find_sources(run_dir, p.datasets)
     lengths = scan_all(sources, think_id, p.block_bytes, cfg.shared.num_workers)
     completion, prompt, tokens = tables(lengths, p, cfg.shared.max_new_tokens)
-    proj, corpus = projection(lengths, run_dir, p, cfg.shared.seed)
-    found = verdicts(completion, proj, lengths, p, think_id, cfg.shared.max_new_tokens)
-    result = LengthReport(p, completion, prompt, tokens, proj, found, corpus, lengths, think_id)
+    limits = dict(
+        zip(completion.dataset[completion.kind == "B"], completion.limit[completion.kind == "B"], strict=True)
+    )
+    proj, corpus, estimates = projection(lengths, run_dir, p, cfg.shared.seed, limits)
+    found = verdicts(completion, proj, lengths, p, think_id, cfg.shared.max_new_tokens, estimates)
+    result = LengthReport(p, completion, prompt, tokens, proj, found, corpus, lengths, think_id, estimates)
+    live = proj[(proj.tokens == "completion") & (proj.method == "censored")]
+    planned = dict(zip(live.dataset, live.planned, strict=True))
+    result.timeline = timeline(lengths, p, cfg.shared.seed, limits, planned, p.timeline_points)
     out.mkdir(parents=True, exist_ok=True)
     result.figures = make_figures(result, out / "plots")
-    for name in ("completion", "prompt", "tokens", "projection", "verdicts"):
+    for name in ("completion", "prompt", "tokens", "projection", "verdicts", "timeline"):
         _write_csv(getattr(result, name), out / f"{name}.csv")
     write_json(out / "verdicts.json", json.loads(found.to_json(orient="records", double_precision=15)))
     write_json(out / "summary.json", {"end_of_thinking_id": think_id, "corpus": corpus, **result.headline})
     read, torn, dups = (sum(getattr(ls, k) for ls in lengths) for k in ("read", "torn", "duplicates"))
     dropped = {k: v for k, v in (("torn_line", torn), ("duplicate_id", dups)) if v}
     inputs = {f"{k}/{n}": {"files": [str(f) for f in fs], "bytes_read": ls.bytes_read}
-              for (k, n, fs), ls in zip(sources, lengths, strict=True)}  # fmt: skip
+              for (k, n, fs, _), ls in zip(sources, lengths, strict=True)}  # fmt: skip
     meta = dict(read=read, kept=read - torn - dups, dropped=dropped, rejected=0, inputs=inputs)
     meta |= dict(params=p.model_dump(mode="json"), shared=cfg.shared.model_dump(mode="json"), end_of_thinking_id=think_id)  # fmt: skip
     meta |= dict(started=started, finished=_now(), seconds=round(time.time() - t0, 2))

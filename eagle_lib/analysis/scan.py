@@ -8,6 +8,10 @@ Speed: a line is never fully materialised. Its int lists are located by byte sea
 brackets or quotes, and a key's quotes cannot occur unescaped inside a JSON string), counted by their commas and
 searched for the end-of-thinking id as bytes; only the rest of the line (scalars, text) is parsed as JSON.
 Memory: a few compact ints per sample, plus the ids seen (for duplicates).
+
+Mid-run (issue 16): with 03's ledger of started requests (`engines.ledger`), each B response also gets its start
+and finish time and server, and the ledger's ids that have no response yet are the requests in flight, whose
+length `analysis.censored` treats as right-censored. A run without a ledger is read as before (`ledger` False).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from eagle_lib.store import RecordError
+
+_NAN = float("nan")
 
 try:  # orjson parses the scalar rest of a line ~3x faster; the stdlib gives the same result
     from orjson import loads as _loads
@@ -48,6 +54,21 @@ class Lengths:
     torn: int = 0  # torn writes skipped
     duplicates: int = 0  # lines whose id came earlier
     bytes_read: int = 0
+    ledger: bool = False  # 03 kept a ledger of started requests for this dataset
+    timing: dict[str, array] = field(
+        default_factory=lambda: {"start": array("d"), "end": array("d"), "server": array("h")}
+    )
+    in_flight: dict[str, array] = field(default_factory=lambda: {"start": array("d"), "server": array("h")})
+    servers: dict[str, int] = field(default_factory=dict)  # server name -> code in timing / in_flight
+
+    def server_code(self, name) -> int:
+        return self.servers.setdefault(str(name or ""), len(self.servers))
+
+    def add_timing(self, start: float, end: float, server) -> None:
+        t = self.timing
+        t["start"].append(start)
+        t["end"].append(end)
+        t["server"].append(self.server_code(server))
 
     def add(self, prompt: int, completion: int, reasoning: int, think_span: int, status: int) -> None:
         c = self.cols
@@ -118,6 +139,11 @@ def _check(rec: dict, key: str, measured: int) -> None:
 
 def scan_response(line: bytes, tok: bytes | None) -> tuple:
     """(id, max_new_tokens, prompt, completion, reasoning, think_span, status) of one B response line."""
+    return _scan_response(line, tok)[0]
+
+
+def _scan_response(line: bytes, tok: bytes | None) -> tuple[tuple, dict]:
+    """scan_response's row and the line's scalar fields (server, latency_s, finished_at for the timing)."""
     o_span = _array_span(line, b'"output_ids":')
     if o_span is None:
         raise ValueError("no output_ids")
@@ -136,7 +162,7 @@ def scan_response(line: bytes, tok: bytes | None) -> tuple:
     limit = (rec.get("sampling") or {}).get("max_new_tokens")
     status = _STATUS.get(rec.get("finish_reason"), 2)
     reasoning = pos[0] + 1 if pos else 0
-    return rec.get("id"), limit, n_prompt, n_out, reasoning, reasoning, status
+    return (rec.get("id"), limit, n_prompt, n_out, reasoning, reasoning, status), rec
 
 
 def _mask(line: bytes, span: tuple[int, int]) -> np.ndarray:
@@ -203,14 +229,25 @@ def iter_lines(path: Path, block: int) -> Iterator[tuple[int, bytes, bool]]:
             yield lineno + 1, carry, False
 
 
-def scan_file(path: Path, out: Lengths, think_id: int | None, seen: set, block: int = 1 << 24) -> Lengths:
+def _timing(out: Lengths, rec: dict, started: tuple[float, str] | None) -> None:
+    """Start (ledger, else finished_at - latency), finish (finished_at, else start + latency) and server."""
+    lat, fin = rec.get("latency_s"), rec.get("finished_at")
+    lat = float(lat) if isinstance(lat, int | float) else _NAN
+    fin = float(fin) if isinstance(fin, int | float) else _NAN
+    start = started[0] if started else fin - lat
+    out.add_timing(start, fin if fin == fin else start + lat, rec.get("server") or (started or ("", ""))[1])
+
+
+def scan_file(path: Path, out: Lengths, think_id: int | None, seen: set, block: int = 1 << 24,
+              starts: dict | None = None) -> Lengths:  # fmt: skip
     """Stream one record file into `out` (ids in `seen` are skipped as duplicates).
 
     Skips a torn last line and a torn fragment later terminated (as store.iter_jsonl does); any other bad line
-    raises RecordError naming the file, the line and the reason.
+    raises RecordError naming the file, the line and the reason. `starts` (B, from 03's ledger): id -> (start,
+    server); each response takes its id's entry out, so what is left afterwards is in flight.
     """
     tok = str(think_id).encode() if think_id is not None and think_id >= 0 else None
-    scan = scan_record if out.kind == "A" else scan_response
+    scan = scan_record if out.kind == "A" else _scan_response
     for lineno, line, ended in iter_lines(path, block):
         out.bytes_read += len(line) + ended
         text = line.strip()
@@ -223,7 +260,9 @@ def scan_file(path: Path, out: Lengths, think_id: int | None, seen: set, block: 
             out.torn += 1  # a torn write: the last line, or a fragment later terminated by append_jsonl
             continue
         try:
-            sid, limit, *row = scan(text, tok)
+            got = scan(text, tok)
+            rec = None if out.kind == "A" else got[1]
+            sid, limit, *row = got if out.kind == "A" else got[0]
         except ValueError as e:  # orjson.JSONDecodeError is a ValueError too
             if not ended:
                 out.torn += 1
@@ -239,16 +278,28 @@ def scan_file(path: Path, out: Lengths, think_id: int | None, seen: set, block: 
         if limit is not None:
             out.limits[limit] += 1
         out.add(*row)
+        if rec is not None:
+            _timing(out, rec, starts.pop(sid, None) if starts is not None else None)
     return out
 
 
-def scan_dataset(
-    kind: str, name: str, files: list[Path], think_id: int | None, block: int = 1 << 24
-) -> Lengths:
-    """A dataset's lengths over its record files in order (B: responses.jsonl, then 03's shard files)."""
+def scan_dataset(kind: str, name: str, files: list[Path], think_id: int | None, block: int = 1 << 24,
+                 ledgers: list[Path] | None = None) -> Lengths:  # fmt: skip
+    """A dataset's lengths over its record files in order (B: responses.jsonl, then 03's shard files).
+
+    With 03's ledgers (B), the started requests without a response are recorded in `in_flight`.
+    """
+    from eagle_lib.engines.ledger import read_starts
+
     out, seen = Lengths(kind, name), set()
+    starts = read_starts(ledgers, block) if ledgers else None
+    out.ledger = starts is not None
     for f in files:
-        scan_file(f, out, think_id, seen, block)
+        scan_file(f, out, think_id, seen, block, starts)
+    for sid, (t, server) in (starts or {}).items():
+        if sid not in seen:
+            out.in_flight["start"].append(t)
+            out.in_flight["server"].append(out.server_code(server))
     return out
 
 
@@ -259,20 +310,23 @@ def scan_all(
     sources: list[tuple[str, str, list[Path]]], think_id: int | None, block: int, workers: int
 ) -> list:
     """scan_dataset over every source; big inputs get one dataset per worker process (0: every core we have)."""
-    jobs = [(kind, name, files, think_id, block) for kind, name, files in sources]
+    jobs = [(kind, name, files, think_id, block, ledgers) for kind, name, files, ledgers in sources]
     workers = min(workers or len(os.sched_getaffinity(0)), len(jobs))
-    if workers <= 1 or sum(f.stat().st_size for *_, files in sources for f in files) < PARALLEL_BYTES:
+    if workers <= 1 or sum(f.stat().st_size for _, _, files, _ in sources for f in files) < PARALLEL_BYTES:
         return [scan_dataset(*job) for job in jobs]
     # spawn, not fork: the caller may be a Jupyter kernel with threads running
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(scan_dataset, *zip(*jobs, strict=True)))
 
 
-def find_sources(run_dir: Path, only: list[str]) -> list[tuple[str, str, list[Path]]]:
-    """(kind, dataset, record files) of every A dataset and every planned or generated B dataset.
+def find_sources(run_dir: Path, only: list[str]) -> list[tuple[str, str, list[Path], list[Path]]]:
+    """(kind, dataset, record files, ledger files) of every A dataset and every planned or generated B dataset.
 
-    B files: infer/<ds>/responses.jsonl, then the shard files of a sharded 03 run not yet merged into it.
+    B files: infer/<ds>/responses.jsonl, then the shard files of a sharded 03 run not yet merged into it; its
+    ledgers: infer/<ds>/started.jsonl and the shards' (none for A, nor for a run made before 03 kept one).
     """
+    from eagle_lib.engines.ledger import ledger_files
+
     names = {"A": {f.parent.name for f in (run_dir / "data" / "A").glob("*/records.jsonl")}, "B": set()}
     names["B"] |= {d.name for d in (run_dir / "infer").glob("*/") if d.is_dir()}
     names["B"] |= {d.parent.name for d in (run_dir / "data" / "B").glob("*/meta.json")}
@@ -280,12 +334,14 @@ def find_sources(run_dir: Path, only: list[str]) -> list[tuple[str, str, list[Pa
     out = []
     for kind in ("A", "B"):
         for name in sorted(n for n in names[kind] if not only or n in only):
+            ledgers: list[Path] = []
             if kind == "A":
                 files = [run_dir / "data" / "A" / name / "records.jsonl"]
             else:
                 ds = run_dir / "infer" / name
                 files = [ds / "responses.jsonl", *sorted(ds.glob("shards/*/responses.jsonl"))]
-            out.append((kind, name, [f for f in files if f.exists()]))
+                ledgers = ledger_files(ds)
+            out.append((kind, name, [f for f in files if f.exists()], ledgers))
     if not out:
         named = f" named {only}" if only else ""
         raise FileNotFoundError(f"{run_dir}: no A records (data/A/*/records.jsonl) nor B datasets (infer/*, "

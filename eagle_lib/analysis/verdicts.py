@@ -28,6 +28,37 @@ POINTS = 512  # quantiles drawn per ECDF curve
 COLUMNS = ["level", "kind", "dataset", "check", "value", "threshold", "message"]
 
 
+def _live_checks(name: str, est: dict, p: Params) -> list[tuple]:
+    """Truncation and short-response verdicts of a dataset in progress, from its censoring-aware interval.
+
+    warn: the whole interval is over the threshold; undetermined yet: the threshold lies inside it (the
+    in-flight and unstarted responses could still decide either way); nothing: the interval is below it.
+    """
+    out, moving = (
+        [],
+        f"{est['in_flight']} in flight, {est['not_started']} not started, {est['finished']} finished",
+    )
+    for check, key, thr, what, fix in (
+        ("truncation", "share_at_limit", p.max_limit_share, "will end at the limit", "raise max_new_tokens"),
+        (
+            "many_short",
+            "share_short",
+            p.max_short_share,
+            f"have under {p.short_tokens} completion tokens",
+            "",
+        ),
+    ):
+        point, lo, hi = est[key]
+        if not np.isfinite(point) or hi <= thr:
+            continue
+        level = "warn" if lo > thr else "undetermined"
+        verdict = "" if level == "warn" else "undetermined yet: "
+        out.append((level, "B", name, check, point,
+                    thr, f"{verdict}{point:.1%} of the final samples {what} (95% interval {lo:.1%}-{hi:.1%}; "
+                    f"threshold {thr:.0%}; {moving}){f': {fix}' if fix and level == 'warn' else ''}"))  # fmt: skip
+    return out
+
+
 def _dataset_checks(row, peers: float, p: Params) -> list[tuple[str, float, float, bool, str]]:
     """(check, value, threshold, failed, message) for one row of the length table; peers = others' median."""
     n, lim, med, p99, at = row["n"], row["limit"], row["median"], row["p99"], row["share_at_limit"]
@@ -58,14 +89,28 @@ def _dataset_checks(row, peers: float, p: Params) -> list[tuple[str, float, floa
 
 
 def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths], p: Params,
-             think_id: int | None, max_new_tokens: int = 0) -> pd.DataFrame:  # fmt: skip
-    """The warnings table: each row names the check, the measured value, its threshold and a message."""
-    out = []
+             think_id: int | None, max_new_tokens: int = 0, estimates: dict | None = None) -> pd.DataFrame:  # fmt: skip
+    """The warnings table: each row names the check, the measured value, its threshold and a message.
+
+    For a B dataset in progress with 03's ledger (`estimates`), truncation and short responses are judged on
+    the censoring-aware interval of the final dataset, not on the finished responses.
+    """
+    out, estimates = [], estimates or {}
+    comp = proj[proj.tokens == "completion"] if "tokens" in proj else proj
+    unfinished = set(comp.dataset[comp.status != "complete"]) if len(comp) else set()
     medians = completion.set_index(["kind", "dataset"])["median"].dropna()
     for ls, (_, row) in zip(lengths, completion.iterrows(), strict=True):
         others = medians.drop((row["kind"], row["dataset"]), errors="ignore")
         peers = float(np.median(others)) if len(others) and row["n"] else np.nan
-        out += [("warn", ls.kind, ls.name, *c[:3], c[4]) for c in _dataset_checks(row, peers, p) if c[3]]
+        live = estimates.get(ls.name) if ls.kind == "B" else None
+        skip = {"truncation", "many_short"} if live else set()
+        out += [("warn", ls.kind, ls.name, *c[:3], c[4]) for c in _dataset_checks(row, peers, p) if c[3]
+                and c[0] not in skip]  # fmt: skip
+        out += _live_checks(ls.name, live, p) if live else []
+        if ls.kind == "B" and not ls.ledger and ls.name in unfinished:
+            out.append(("info", "B", ls.name, "no_ledger", row["n"], 0, "03 kept no ledger of started requests "
+                        "(a run made before it did): mid-run estimates count finished responses only and may be "
+                        "biased towards short ones"))  # fmt: skip
         seen = sorted(ls.limits)
         if ls.kind == "B" and max_new_tokens and seen and seen != [max_new_tokens]:
             out.append(("warn", ls.kind, ls.name, "limit_mismatch", seen[-1], max_new_tokens,
@@ -182,6 +227,33 @@ def token_bars(report, path: Path):
     return _save(fig, path)
 
 
+def timeline_figure(report, path: Path):
+    """Per dataset in progress: projected trainable tokens and truncation share against time, with intervals."""
+    tl = report.timeline
+    with sns.axes_style("whitegrid"):
+        fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(13, 4.5))
+        if tl.empty:
+            for ax in (ax_t, ax_l):
+                ax.text(
+                    0.5, 0.5, "no B dataset in progress with a ledger", ha="center", transform=ax.transAxes
+                )
+        names = list(dict.fromkeys(tl.dataset)) if not tl.empty else []
+        for name, color in zip(names, _palette(max(len(names), 1)), strict=False):
+            d = tl[tl.dataset == name]
+            for ax, key, naive in ((ax_t, "tokens", "naive_tokens"), (ax_l, "limit", "naive_limit")):
+                ax.plot(d.hours, d[f"{key}_est"], color=color, label=name)
+                ax.fill_between(d.hours, d[f"{key}_lo"], d[f"{key}_hi"], color=color, alpha=0.2)
+                ax.plot(d.hours, d[naive], color=color, ls=":", lw=1)
+        ax_t.set(xlabel="hours since the dataset's first start", ylabel="projected final trainable tokens",
+                 title="final tokens (band: 95% interval; dotted: finished-only estimate)")  # fmt: skip
+        ax_l.axhline(report.params.max_limit_share, color="k", ls="--", lw=1)
+        ax_l.set(xlabel="hours since the dataset's first start", ylabel="share ended at the limit",
+                 title="truncation share of the final dataset (dashed: threshold)")  # fmt: skip
+        if names:
+            ax_t.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def make_figures(report, out: Path) -> dict:
     """All figures of the stage, saved under `out` as PNG; returns name -> figure."""
     threshold = report.params.max_limit_share
@@ -189,4 +261,41 @@ def make_figures(report, out: Path) -> dict:
         "lengths": length_ecdf(report, out / "lengths_ecdf.png"),
         "truncation": truncation_bars(report, out / "truncation.png", threshold),
         "tokens": token_bars(report, out / "tokens.png"),
+        "timeline": timeline_figure(report, out / "timeline.png"),
     }
+
+
+# ---------------------------------------------------------------- the answer, first
+
+
+def answer(report) -> str:
+    """The notebook's first line: tokens (measured, or projected with its interval mid-run) and what to fix."""
+    c, v, corpus = report.completion, report.verdicts, report.corpus["completion"]
+    measured = int(report.tokens.trainable_tokens.sum())
+    proj = report.projection[report.projection.tokens == "completion"]
+    running = proj[proj.status != "complete"]
+    if running.empty:
+        head = f"{measured:,} trainable tokens measured"
+    else:
+        head = (f"run in progress ({len(running)} dataset(s)): {measured:,} trainable tokens measured, "
+                f"{corpus['projected']:,.0f} projected (95% interval {corpus['lo']:,.0f}-{corpus['hi']:,.0f}), "
+                f"{int(running.in_flight.sum()):,} responses in flight")  # fmt: skip
+    trunc = v[(v.check == "truncation") & (v.level == "warn")]
+    undecided = v[(v.check == "truncation") & (v.level == "undetermined")]
+    thr = f"{report.params.max_limit_share:.0%}"
+    parts = [head]
+    if len(trunc):
+        names = ", ".join(f"{k}/{d}" for k, d in zip(trunc.kind, trunc.dataset, strict=True))
+        parts.append(f"{len(trunc)} dataset(s) cut at the limit in > {thr} of samples ({names}): raise "
+                     "max_new_tokens" if set(trunc.kind) == {"B"} else f"{len(trunc)} dataset(s) cut at the limit "
+                     f"in > {thr} of samples ({names}): raise max_new_tokens (B) / 01's max_seq_len (A)")  # fmt: skip
+    if len(undecided):
+        parts.append("truncation undetermined yet for " + ", ".join(
+            f"B/{d} ({m.split('interval ')[1].split(';')[0]})" for d, m in zip(undecided.dataset, undecided.message,
+                                                                               strict=True)))  # fmt: skip
+    if not len(trunc) and not len(undecided):
+        parts.append(f"no dataset cut at the limit in > {thr} of samples")
+    others = v[(v.level == "warn") & (v.check != "truncation")]
+    if len(others):
+        parts.append(f"{len(others)} other warning(s): {', '.join(sorted(set(others.check)))}")
+    return "; ".join(parts) + f" ({len(c)} datasets)."

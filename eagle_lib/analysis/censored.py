@@ -1,0 +1,240 @@
+"""Mid-run estimates without survivor bias: in-flight responses are right-censored, not missing.
+
+03 appends responses as they finish, so mid-run the finished set over-represents short answers. With 03's
+ledger of started requests (`engines.ledger`) and its seeded random order, the started set is a random sample of
+the dataset, and each started request is either finished (its length T is known) or still in flight (T is at
+least what it has produced so far). This module estimates, per dataset, the length distribution (Kaplan-Meier),
+its mean, the share cut at the limit, the share of short responses and the final token total, with bootstrap
+intervals, and projects the prompts not yet started from that distribution.
+
+Censoring. A request started at s has produced at least C = r_low x (as_of - s) tokens by `as_of`, where r_low
+is a low quantile of its server's measured per-request rate (finished: tokens / latency). The same C is applied
+to the finished requests too (one that finished with T > C is counted as censored at C): the censoring then
+depends on start times only, never on T, which is what Kaplan-Meier needs to be unbiased.
+
+Tail. When the longest observations are censored, Kaplan-Meier leaves mass S_end beyond them undistributed. The
+estimates are then bounds: "low" puts S_end just above the largest censored value (not at the limit), "high" at
+the limit. The interval runs from the low bound's lower percentile to the high bound's upper one, so it covers
+the final value when either bound is right; a verdict whose threshold lies inside it is "undetermined yet".
+
+Bootstrap. Units are resampled by multinomial counts over distinct (value, kind) groups, so a replicate costs
+O(distinct lengths), not O(samples). Each replicate is a predictive draw of the final quantity: the measured
+part is fixed, in-flight requests add their conditional mean E[T | T > C_i] and the unstarted ones m x mean,
+with the normal spread of their sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+EVENT, LIMIT, CENSORED = 0, 1, 2  # group kinds: finished below the limit, finished at the limit, censored
+
+
+@dataclass
+class RunState:
+    """One dataset of a run as of `as_of`: finished requests (n,) and in-flight ones (k,); times in unix seconds."""
+
+    completion: np.ndarray  # (n,) output tokens of each finished request
+    status: np.ndarray  # (n,) 0 stop, 1 at the limit, 2 other
+    start: np.ndarray  # (n,) start time (nan: unknown)
+    end: np.ndarray  # (n,) finish time (nan: unknown)
+    server: np.ndarray  # (n,) server code
+    in_start: np.ndarray  # (k,) start times of the requests in flight
+    in_server: np.ndarray  # (k,) their server codes
+    limit: int  # max_new_tokens
+    planned: int | None  # prompts this dataset will have answered in all (None: unknown)
+    as_of: float  # the moment the state describes
+
+    @property
+    def not_started(self) -> int:
+        return max((self.planned or 0) - self.completion.size - self.in_start.size, 0)
+
+    def at(self, t: float) -> RunState:
+        """The state as a reader would have seen it at time t (<= as_of): finished by t, started by t."""
+        done = self.end <= t
+        was_running = (self.start <= t) & ~done
+        keep_in = self.in_start <= t
+        return replace(self, completion=self.completion[done], status=self.status[done], start=self.start[done],
+                       end=self.end[done], server=self.server[done],
+                       in_start=np.concatenate([self.in_start[keep_in], self.start[was_running]]),
+                       in_server=np.concatenate([self.in_server[keep_in], self.server[was_running]]), as_of=t)  # fmt: skip
+
+
+def low_rates(s: RunState, quantile: float) -> dict[int, float]:
+    """Server code -> a low quantile of its finished requests' tokens/s (all servers pooled: key -1)."""
+    dt = s.end - s.start
+    ok = np.isfinite(dt) & (dt > 0) & (s.completion > 0)
+    rate, srv = s.completion[ok] / dt[ok], s.server[ok]
+    out = {-1: float(np.quantile(rate, quantile)) if rate.size else 0.0}
+    for code in np.unique(srv):
+        r = rate[srv == code]
+        out[int(code)] = float(np.quantile(r, quantile)) if r.size >= 20 else out[-1]
+    return out
+
+
+def censor_points(s: RunState, quantile: float) -> tuple[np.ndarray, np.ndarray]:
+    """(finished (n,), in-flight (k,)) tokens each request has produced by as_of: floor(rate quantile x elapsed)."""
+    rates = low_rates(s, quantile)
+    r = lambda codes: np.array([rates.get(int(c), rates[-1]) for c in codes], dtype=np.float64)  # noqa: E731
+    fin = np.floor(r(s.server) * np.maximum(s.as_of - s.start, 0.0))
+    fin = np.where(np.isfinite(fin), fin, np.inf)  # unknown start: never censored
+    inf = np.floor(r(s.in_server) * np.maximum(s.as_of - s.in_start, 0.0))
+    return fin, np.minimum(inf, max(s.limit - 1, 0))  # still running: below the limit
+
+
+def groups(s: RunState, c_fin: np.ndarray, c_in: np.ndarray, bins: int = 2048):
+    """(value, kind, count) per group, sorted by value (events before censored at a tie).
+
+    Values are grouped in bins of limit / `bins` tokens, so a bootstrap replicate costs O(bins): an event group
+    sits at its members' mean length, a censored group at its bin's floor (still a lower bound).
+    """
+    step = max(1, s.limit // bins)
+    cut = s.completion > c_fin
+    kind = np.concatenate(
+        [np.where(cut, CENSORED, np.where(s.status == 1, LIMIT, EVENT)), np.full(c_in.size, CENSORED)]
+    )
+    value = np.concatenate([np.where(cut, c_fin, s.completion), c_in]).astype(np.int64)
+    key, inverse, counts = np.unique((value // step) * 4 + kind, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=value.astype(np.float64), minlength=key.size)
+    kinds = key % 4
+    values = np.where(kinds == CENSORED, (key // 4) * step, sums / counts)
+    order = np.lexsort((kinds, values))
+    return values[order], kinds[order], counts[order].astype(np.float64)
+
+
+@dataclass
+class KM:
+    """Kaplan-Meier masses per replicate: values (V,), masses (R, V), limit masses (R, V), tail mass (R,)."""
+
+    values: np.ndarray
+    mass: np.ndarray
+    limit_mass: np.ndarray
+    tail: np.ndarray
+    last: float  # where the low bound puts the tail: the largest value seen
+    limit: float  # where the high bound puts it
+
+
+def kaplan_meier(values, kinds, w: np.ndarray, limit: int) -> KM:
+    """KM over groups with weights w (R, G) (counts or bootstrap counts); ties: events first, censored at risk."""
+    v, first = np.unique(values, return_index=True)
+    ev = np.add.reduceat(w * (kinds != CENSORED), first, axis=1)  # (R, V)
+    lim = np.add.reduceat(w * (kinds == LIMIT), first, axis=1)
+    at_risk = np.cumsum(np.add.reduceat(w, first, axis=1)[:, ::-1], axis=1)[:, ::-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        h = np.where(at_risk > 0, ev / at_risk, 0.0)
+        lim_h = np.where(at_risk > 0, lim / at_risk, 0.0)
+    after = np.cumprod(1.0 - h, axis=1)
+    before = np.concatenate([np.ones((w.shape[0], 1)), after[:, :-1]], axis=1)
+    return KM(v.astype(np.float64), before * h, before * lim_h, after[:, -1], float(v[-1]), float(limit))
+
+
+def _above(x: np.ndarray) -> np.ndarray:
+    """(R, V+1): column j holds the sum of x's columns j.. (the last column: nothing above)."""
+    return np.concatenate([np.cumsum(x[:, ::-1], axis=1)[:, ::-1], np.zeros((x.shape[0], 1))], axis=1)
+
+
+def _tails(km: KM, c: np.ndarray) -> dict:
+    """Per replicate and in-flight bound c (k,): tail mass, first and second moments above c, limit mass above c."""
+    idx = np.searchsorted(km.values, c, side="right")  # first value > c
+    return {
+        "m0": _above(km.mass)[:, idx], "m1": _above(km.mass * km.values)[:, idx],
+        "m2": _above(km.mass * km.values**2)[:, idx], "lim": _above(km.limit_mass)[:, idx],
+    }  # fmt: skip
+
+
+def _predict(km: KM, c_in: np.ndarray, m: int, base: dict, where: str, short: int) -> dict:
+    """Predictive draws of the final (tokens, at-limit count, short count) under the tail placed `where`."""
+    at = np.maximum(km.last, c_in[None, :]) if where == "low" else np.full((1, c_in.size), km.limit)
+    t_all = km.tail[:, None]
+    loc = km.last if where == "low" else km.limit
+    mean = (km.mass * km.values).sum(1) + km.tail * loc  # (R,)
+    second = (km.mass * km.values**2).sum(1) + km.tail * loc**2
+    p_lim = km.limit_mass.sum(1) + (km.tail if where == "high" else 0.0)
+    p_short = km.mass[:, km.values < short].sum(1) + (km.tail if where == "high" and loc < short else 0.0)
+    tl = _tails(km, c_in)
+    s0 = tl["m0"] + t_all  # P(T > c_i) per replicate (R, k)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        c_mean = np.where(s0 > 0, (tl["m1"] + t_all * at) / s0, at)
+        c_var = np.where(s0 > 0, (tl["m2"] + t_all * at**2) / s0 - c_mean**2, 0.0)
+        c_lim = np.where(s0 > 0, (tl["lim"] + (t_all if where == "high" else 0.0)) / s0, 0.0)
+    var = np.maximum(second - mean**2, 0.0)
+    tok_mu = base["tokens"] + c_mean.sum(1) + m * mean
+    tok_sd = np.sqrt(np.maximum(c_var, 0).sum(1) + m * var)
+    lim_mu = base["at_limit"] + c_lim.sum(1) + m * p_lim
+    lim_sd = np.sqrt((c_lim * (1 - c_lim)).sum(1) + m * p_lim * (1 - p_lim))
+    return {"tokens": (tok_mu, tok_sd), "at_limit": (lim_mu, lim_sd), "mean": mean, "p_limit": p_lim,
+            "p_short": p_short}  # fmt: skip
+
+
+def _interval(lo: np.ndarray, hi: np.ndarray, tail: float) -> tuple[float, float, float]:
+    """(point, lo, hi): the midpoint of the bounds' medians and the outer percentiles."""
+    point = float(np.median((lo + hi) / 2))
+    return point, float(np.percentile(lo, tail)), float(np.percentile(hi, 100 - tail))
+
+
+def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 32, quantile: float = 0.1,
+             typical: float = 0.5, seed: int = 0) -> dict:  # fmt: skip
+    """Censoring-aware estimates of one dataset's final totals; {quantity: (point, lo, hi)} plus counts."""
+    rng, tail = np.random.default_rng(seed), (1 - interval) / 2 * 100
+    n, k, m = s.completion.size, s.in_start.size, s.not_started
+    base = {"tokens": float(s.completion.sum()), "at_limit": float((s.status == 1).sum())}
+    planned = n + k + m
+    out = {"finished": n, "in_flight": k, "not_started": m, "planned": planned}
+    if n + k == 0:
+        nan = dict.fromkeys(("tokens", "share_at_limit", "share_short", "mean"), (np.nan,) * 3)
+        return out | nan | {"draws": (np.zeros(reps), np.zeros(reps))}
+    if k == 0 and m == 0:  # complete: measured, no interval needed
+        exact = (
+            base["tokens"],
+            base["at_limit"] / n,
+            float((s.completion < short).mean()),
+            base["tokens"] / n,
+        )
+        names = ("tokens", "share_at_limit", "share_short", "mean")
+        return out | {q: (v, v, v) for q, v in zip(names, exact, strict=True)} | {
+            "draws": (np.full(reps, base["tokens"]),) * 2}  # fmt: skip
+    c_fin, c_in = censor_points(s, quantile)
+    values, kinds, counts = groups(s, c_fin, c_in)
+    c_typ = np.maximum(censor_points(s, typical)[1], c_in)  # what an in-flight request has typically produced
+    w = rng.multinomial(n + k, counts / counts.sum(), size=reps).astype(np.float64)  # (R, G)
+    km = kaplan_meier(values, kinds, w, s.limit)
+    draws = {}
+    for where in ("low", "high"):
+        p = _predict(km, c_typ, m, base, where, short)
+        z = rng.standard_normal((2, reps))
+        draws[where] = {
+            "tokens": np.maximum(p["tokens"][0] + p["tokens"][1] * z[0], base["tokens"]),
+            "at_limit": np.clip(p["at_limit"][0] + p["at_limit"][1] * z[1], base["at_limit"], planned) / planned,
+            "mean": p["mean"], "p_short": p["p_short"],
+        }  # fmt: skip
+    lo, hi = draws["low"], draws["high"]
+    return out | {
+        "tokens": _interval(lo["tokens"], hi["tokens"], tail),
+        "share_at_limit": _interval(lo["at_limit"], hi["at_limit"], tail),
+        "share_short": _interval(np.minimum(lo["p_short"], hi["p_short"]), np.maximum(lo["p_short"], hi["p_short"]), tail),
+        "mean": _interval(lo["mean"], hi["mean"], tail),
+        "draws": (lo["tokens"], hi["tokens"]),  # (R,) each: the corpus interval sums them over datasets
+    }  # fmt: skip
+
+
+def naive(s: RunState, reps: int = 400, interval: float = 0.95, seed: int = 0) -> dict:
+    """The estimator 04 used before (finished responses only, as if they were a random sample), for comparison."""
+    rng, tail = np.random.default_rng(seed), (1 - interval) / 2 * 100
+    x, n = s.completion.astype(np.float64), s.completion.size
+    remaining = (s.planned or n) - n
+    if n == 0:
+        return {"tokens": (np.nan,) * 3, "share_at_limit": (np.nan,) * 3}
+    idx = rng.integers(0, n, size=(reps, n)) if n * reps <= 4_000_000 else None
+    if idx is None:
+        means = rng.normal(x.mean(), x.std() / np.sqrt(n), reps)
+        shares = rng.normal((s.status == 1).mean(), 0.5 / np.sqrt(n), reps)
+    else:
+        means, shares = x[idx].mean(1), (s.status[idx] == 1).mean(1)
+    tok = x.sum() + remaining * means + np.sqrt(remaining) * x.std() * rng.standard_normal(reps)
+    point = (x.sum() + remaining * x.mean(), float((s.status == 1).mean()))
+    return {
+        "tokens": (point[0], *np.percentile(tok, [tail, 100 - tail])),
+        "share_at_limit": (point[1], *np.percentile(shares, [tail, 100 - tail])),
+    }
