@@ -1,7 +1,8 @@
 """Durable record files shared by every stage: JSONL append/read, meta.json, held-out split.
 
 Records are JSON lines. Writers append whole batches and fsync, so a crash leaves at most one torn last
-line; readers skip a torn last line (never a torn line in the middle, which is real corruption).
+line; the next append truncates it before writing, and readers skip it (the same rules as 04's byte scanner,
+:mod:`eagle_lib.analysis.scan`); a bad line in the middle is real corruption and an error.
 """
 
 from __future__ import annotations
@@ -24,72 +25,91 @@ class RecordError(ValueError):
 def append_jsonl(path: str | Path, records: Iterable[dict], fsync: bool = True) -> int:
     """Append records as JSON lines in one write; returns how many were written.
 
-    If the file ends in a torn line (a crash mid-write), it is terminated first so the new batch starts on
-    its own line and the torn fragment stays a single skipped line.
+    A file that does not end in a newline was cut by a crash mid-write: a tail that parses as a whole record
+    (only its newline was lost) is kept and terminated; any other torn tail is truncated away first, so a torn
+    fragment never ends up in the middle of the file (where it would be corruption, not a torn tail).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in records]
     if not lines:
         return 0
-    payload = "\n".join(lines) + "\n"
+    payload = ("\n".join(lines) + "\n").encode("utf-8")
     with open(path, "ab+") as f:
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                payload = "\n" + payload
-        f.write(payload.encode("utf-8"))
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            start = _tail_start(f, size)
+            if start < size:
+                f.seek(start)
+                if _is_record(f.read()):
+                    payload = b"\n" + payload
+                else:
+                    f.truncate(start)
+        f.write(payload)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
     return len(lines)
 
 
-def iter_jsonl(path: str | Path, tolerate_torn_tail: bool = True) -> Iterator[dict]:
-    """Yield the records of a JSONL file.
+def _tail_start(f: Any, size: int, block: int = 1 << 16) -> int:
+    """Offset just after the last newline of an open binary file of ``size`` bytes (0: no newline)."""
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        f.seek(start)
+        k = f.read(end - start).rfind(b"\n")
+        if k >= 0:
+            return start + k + 1
+        end = start
+    return 0
 
-    A last line without its newline that does not parse is a torn write and is skipped (when tolerated);
-    any other line that does not parse raises RecordError naming the file and line.
+
+def _is_record(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError (a cut inside a multi-byte character)
+        return False
+
+
+def iter_jsonl(path: str | Path, tolerate_torn_tail: bool = True) -> Iterator[dict]:
+    """Yield the records of a JSONL file, with the same torn-write rules as 04's byte scanner.
+
+    Skipped as torn writes (when tolerated): a last line without its newline that does not parse (cut anywhere,
+    inside a multi-byte UTF-8 character or right after an inner ``}`` or ``]``), and a line that opens an object
+    but does not close it (a fragment an older writer terminated). A last line that parses is a record. Any other
+    line that does not parse, an empty line inside the file and a non-object raise RecordError (file, line).
     """
     path = Path(path)
     if not path.exists():
         return
     with open(path, "rb") as f:
-        prev = None  # (lineno, raw) of the line before, so we know which line is last
         for lineno, raw in enumerate(f, 1):
-            if prev is not None:
-                rec = _parse_line(path, *prev, last=False, tolerate=tolerate_torn_tail)
-                if rec is not None:
-                    yield rec
-            prev = (lineno, raw)
-        if prev is not None:
-            rec = _parse_line(path, *prev, last=True, tolerate=tolerate_torn_tail)
+            rec = _parse_line(path, lineno, raw, tolerate_torn_tail)
             if rec is not None:
                 yield rec
 
 
-def _parse_line(path: Path, lineno: int, raw: bytes, last: bool, tolerate: bool) -> dict | None:
+def _parse_line(path: Path, lineno: int, raw: bytes, tolerate: bool) -> dict | None:
+    ended = raw.endswith(b"\n")
     text = raw.strip()
     if not text:
-        if last:
-            return None
-        raise RecordError(f"{path}: line {lineno}: empty line inside a record file")
+        if ended:
+            raise RecordError(f"{path}: line {lineno}: empty line inside a record file")
+        return None
+    if not text.endswith(b"}") and (not ended or text.startswith(b"{")):
+        if tolerate:
+            return None  # a torn write: the tail, or a fragment an older writer terminated
+        raise RecordError(f"{path}: line {lineno}: torn write (a record cut short)")
     try:
         rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        torn = not raw.endswith(b"\n")
-        if (last and torn and tolerate) or (torn is False and _is_torn_fragment(raw) and tolerate):
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a cut inside a character
+        if not ended and tolerate:
             return None
-        raise RecordError(f"{path}: line {lineno}: not valid JSON ({e.msg})") from None
+        raise RecordError(f"{path}: line {lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
     if not isinstance(rec, dict):
         raise RecordError(f"{path}: line {lineno}: expected a JSON object, got {type(rec).__name__}")
     return rec
-
-
-def _is_torn_fragment(raw: bytes) -> bool:
-    """A torn fragment later terminated by append_jsonl: it starts a JSON object but never closes it."""
-    text = raw.strip()
-    return text.startswith(b"{") and not text.endswith(b"}")
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -20,15 +20,70 @@ def test_append_and_read_roundtrip(tmp_path):
     assert [r["id"] for r in read_jsonl(p)] == ["a", "b", "c"]
 
 
-def test_torn_last_line_is_skipped_then_terminated_by_next_append(tmp_path):
+def _a_records(n: int) -> list[dict]:
+    """A-stage records with non-ASCII text (records are written with ensure_ascii=False)."""
+    return [{"id": f"ü{i}-中文🙂", "source": "tëst", "input_ids": [i, 2, 3], "loss_mask": [0, 1, 1],
+             "nested": {"k": [1, {"x": "é"}]}, "n_tokens": 3, "n_trainable": 2} for i in range(n)]  # fmt: skip
+
+
+def _scanner_view(path) -> tuple[int, int]:
+    """(records, torn) as 04's byte scanner counts them: the other reader that must agree."""
+    from eagle_lib.analysis.scan import Lengths, scan_file
+
+    out = scan_file(path, Lengths(kind="A", name="t"), None, set())
+    return out.read - out.torn - out.duplicates, out.torn
+
+
+def test_every_torn_tail_is_skipped_and_truncated_by_the_next_append(tmp_path):
+    """Cut the last record at EVERY byte (inside multi-byte characters, right after an inner } or ]): both
+    readers agree, and the next append leaves no torn line in the middle and loses nothing."""
+    recs = _a_records(3)
+    whole = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in recs).encode()
+    last_start = whole.rindex(b"\n", 0, len(whole) - 1) + 1
+    cuts = range(last_start + 1, len(whole))
+    assert any(whole[c - 1 : c] in (b"}", b"]") for c in cuts)  # torn tails ending in } and ] are among them
+    assert any((whole[c] & 0xC0) == 0x80 for c in cuts)  # and cuts inside a UTF-8 character
+    for cut in cuts:
+        p = tmp_path / f"cut{cut}.jsonl"
+        p.write_bytes(whole[:cut])
+        complete = cut == len(whole) - 1  # only the newline is missing: a whole record
+        got = read_jsonl(p)
+        assert got == (recs if complete else recs[:2]), cut
+        assert _scanner_view(p) == ((3, 0) if complete else (2, 1)), cut
+        append_jsonl(p, [dict(recs[0], id="new-é")])
+        assert [r["id"] for r in read_jsonl(p)] == [r["id"] for r in got] + ["new-é"], cut
+        assert _scanner_view(p) == (len(got) + 1, 0), cut  # nothing torn left, nothing in the middle
+        assert p.read_bytes().endswith(b"\n") and p.read_bytes().count(b"\n") == len(got) + 1
+
+
+def test_legacy_terminated_fragment_in_the_middle_is_skipped_by_both_readers(tmp_path):
+    """Files written before the truncating writer: a fragment that opens an object and was terminated."""
+    p = tmp_path / "old.jsonl"
+    a, c = (json.dumps(r, ensure_ascii=False) for r in _a_records(2))
+    p.write_text(f'{a}\n{{"id": "b", "x": [1, 2\n{c}\n', encoding="utf-8")
+    assert [r["id"] for r in read_jsonl(p)] == ["ü0-中文🙂", "ü1-中文🙂"]
+    assert _scanner_view(p) == (2, 1)
+
+
+def test_fragment_ending_in_brace_in_the_middle_is_corruption_for_both_readers(tmp_path):
+    """What the old writer produced from a tail torn after an inner }: now an error in both, never silent."""
+    from eagle_lib.analysis.scan import Lengths, scan_file
+
+    p = tmp_path / "bad.jsonl"
+    a, c = (json.dumps(r, ensure_ascii=False) for r in _a_records(2))
+    p.write_text(f'{a}\n{{"id": "b", "n": {{"k": 1}}\n{c}\n', encoding="utf-8")
+    with pytest.raises(RecordError, match="line 2"):
+        read_jsonl(p)
+    with pytest.raises(RecordError, match="line 2"):
+        scan_file(p, Lengths(kind="A", name="t"), None, set())
+
+
+def test_append_to_a_file_that_is_only_a_torn_line(tmp_path):
     p = tmp_path / "r.jsonl"
+    p.write_bytes('{"id": "ü'.encode()[:-1])  # cut inside the two-byte ü
+    assert read_jsonl(p) == []
     append_jsonl(p, [{"id": "a"}])
-    with open(p, "ab") as f:  # a crash mid-write leaves half a line
-        f.write(b'{"id": "b", "x": [1, 2')
-    assert [r["id"] for r in iter_jsonl(p)] == ["a"]
-    append_jsonl(p, [{"id": "b"}])
-    assert [r["id"] for r in read_jsonl(p)] == ["a", "b"]
-    assert p.read_text().count("\n") == 3  # the fragment stays on its own line
+    assert p.read_bytes() == b'{"id":"a"}\n'
 
 
 def test_corrupt_middle_line_names_file_and_line(tmp_path):
