@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="TTT steps of both sides (matched k)")
     ap.add_argument("--decay", type=float, default=1.0, help="per-step loss decay of both sides")
     ap.add_argument("--ours-preset", default="custom", help="custom: --k / --decay; or a stage-05 preset")
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--lr", type=float, default=1e-2, help="peak LR of both sides (the toy recipe's)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--pack-len", type=int, default=2048)

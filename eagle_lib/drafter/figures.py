@@ -73,6 +73,25 @@ def acc_table(summary: dict) -> pd.DataFrame:
     ).set_index("ttt_step")
 
 
+def gap_table(summary: dict) -> pd.DataFrame:
+    """Train/decode gap per draft position: teacher-forced held-out acceptance vs measured by drafting."""
+    m, held = summary.get("measured") or {}, summary.get("heldout") or {}
+    acc = m.get("final_acc") or []
+    rows = []
+    for i, a in enumerate(acc):
+        prev = acc[i - 1] if i else 1.0
+        tf = held.get("cond_acc") or []
+        rows.append(
+            {
+                "draft_position": i + 1,
+                "teacher_forced_cond_acc": tf[i] if i < len(tf) else np.nan,
+                "measured_cond_acc": a / prev if prev else np.nan,
+                "measured_acc": a,
+            }
+        )
+    return pd.DataFrame(rows).set_index("draft_position") if rows else pd.DataFrame()
+
+
 def export_table(summary: dict) -> pd.DataFrame:
     """The exports `eagle_lib.train.run` wrote (drafter/export/{sglang,speculators}): format, path, files."""
     return pd.DataFrame(

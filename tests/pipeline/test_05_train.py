@@ -62,3 +62,26 @@ def test_exports_in_both_formats(ci_run):
     sp = json.loads((exp / "speculators" / "config.json").read_text())
     assert sp["speculators_model_type"] == "eagle3"
     assert any(k.startswith("layers.0.") for k in load_file(str(exp / "speculators" / "model.safetensors")))
+
+
+def test_measured_tau_is_logged_and_reported(ci_run):
+    d = ci_run / "drafter"
+    log = store.read_jsonl(d / "train_log.jsonl")
+    measured = [r for r in log if "measured_tau" in r]
+    assert [r["step"] for r in measured] == [30, 60]
+    assert all(1.0 <= r["measured_tau"] <= 4.0 and len(r["measured_acc"]) == 3 for r in measured)
+    summary = store.read_json(d / "summary.json")
+    assert summary["measured"]["final_tau"] == measured[-1]["measured_tau"]
+    metrics = report.read_notebook_metrics(ci_run / "reports" / "05_train_eagle3.ipynb")
+    assert metrics["measured_tau"] == measured[-1]["measured_tau"]
+    nb = json.loads((ci_run / "reports" / "05_train_eagle3.ipynb").read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("name") == "stderr"], "05 report has stderr output"
+    first = next(
+        o
+        for c in nb["cells"][4:]
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") in ("execute_result", "display_data")
+    )
+    assert "".join(first["data"]["text/markdown"]).startswith("**Held-out acc_0 ")

@@ -149,3 +149,35 @@ def test_optimizer_state_round_trips_through_safetensors_and_json():
     for k, v in named["state"]["w.a"].items():
         torch.testing.assert_close(back["state"]["w.a"][k], v)
     assert back["param_groups"][0]["betas"] == [0.9, 0.95] and back["param_groups"][0]["params"] == ["w.a"]
+
+
+def test_report_answer_and_gap_table_state_the_numbers():
+    from eagle_lib.drafter import figures
+
+    summary = {
+        "steps": 80,
+        "heldout": {"acc": [0.66, 0.5], "cond_acc": [0.66, 0.7]},
+        "vocab": {"majority_share": 0.05, "coverage": 0.98},
+        "measured": {
+            "final_tau": 3.1,
+            "final_acc": [0.9, 0.72, 0.54],
+            "drafts": 3,
+            "elapsed_s": 294.0,
+            "best_tau": 3.2,
+            "best_step": 60,
+            "final_weights_step": 80,
+        },
+    }
+    text = figures.answer_text(summary)
+    assert (
+        text.startswith("Held-out acc_0 0.66")
+        and "measured tau 3.10 at 3 drafts after 80 steps (4.9 min" in text
+    )
+    gap = figures.gap_table(summary)
+    assert gap["measured_cond_acc"].round(3).tolist() == [0.9, 0.8, 0.75]
+    assert (
+        gap["teacher_forced_cond_acc"].tolist()[:2] == [0.66, 0.7]
+        and gap["teacher_forced_cond_acc"].isna().iloc[2]
+    )
+    skipped = dict(summary, measured={"skipped": "measure_every is 0"})
+    assert "not measured during training (measure_every is 0" in figures.answer_text(skipped)
