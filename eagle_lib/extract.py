@@ -193,6 +193,32 @@ def run(cfg: params.StageConfig) -> dict:
     return records.run_stage(cfg, "B", run_dataset)
 
 
+def answer_text(meta: dict) -> str:
+    """The report's first sentence: prompts kept out of rows read, why the others were not, prompt tokens."""
+    tokens = sum(m.get("tokens", 0) for m in meta["datasets"].values())
+    return (
+        f"**{meta['kept']:,} prompts kept from {meta['read']:,} B rows** in {len(meta['datasets'])} datasets"
+        f"{records.outcome_clause(meta)}, {tokens:,} prompt tokens to regenerate."
+    )
+
+
+def answer(meta: dict):
+    """:func:`answer_text` as Markdown, for the top of the report."""
+    return records.markdown(answer_text(meta))
+
+
+def datasets_table(meta: dict):
+    """Per dataset: rows read, prompts kept, dropped by reason, rejected, seconds, reused."""
+    import pandas as pd
+
+    rows = [
+        {"dataset": n, "read": m["read"], "prompts": m["kept"], "dropped": records.top_reasons(m["dropped"], 4),
+         "rejected": m["rejected"], "seconds": m["seconds"], "reused": m.get("reused", False)}
+        for n, m in meta["datasets"].items()
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 800) -> str:
     """The first prompt of a dataset decoded from its prompt_ids (exactly what the engine will be sent)."""
     rec = next(store.iter_jsonl(cfg.out("data", "B", dataset, "prompts.jsonl")), None)

@@ -23,7 +23,8 @@ from eagle_lib import models, params, store
 from eagle_lib.data import formats, records
 from eagle_lib.data.records import headline, reasons_table, rejects_sample, tally_table  # the report's tables
 
-__all__ = ["Params", "headline", "preview", "reasons_table", "rejects_sample", "run", "tally_table"]
+__all__ = ["Params", "answer", "headline", "masking_table", "preview", "reasons_table", "rejects_sample", "run",
+           "tally_table"]  # fmt: skip
 
 _TOY_A = [
     formats.Source(name="native_chat", path="toy://data/native_chat", adapter="openai"),
@@ -36,7 +37,9 @@ class Params(params.Strict):
 
     datasets: list[formats.Source] = _TOY_A  # A sources: {name, path, adapter, config, split, max_read, ...}
     max_seq_len: int = 2048  # longer records are truncated to this many tokens (counted in meta.json)
-    turns: Literal["all", "last"] = "all"  # assistant turns trained: all of them, or the last one only
+    # assistant turns trained: all (one sequence), the last one only, or each: one sequence per assistant turn
+    # rendered as the target saw it when generating it (for templates that drop earlier turns' reasoning)
+    turns: Literal["all", "last", "each"] = "all"
     max_reject_fraction: float = 0.1  # a dataset rejecting more than this share of its rows fails the stage
     chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
     batch_size: int = 64  # rows per worker task
@@ -51,24 +54,38 @@ def _prepare_one(conv: dict) -> tuple:
     state = records.worker_state()
     p: Params = state["params"]
     if "input_ids" in conv:
-        ids, mask, method = conv["input_ids"], conv["loss_mask"], "pretokenized"
+        ids = conv["input_ids"]
         if ids and max(ids) >= state["vocab_size"]:
             raise formats.Malformed(
                 f"token id {max(ids)} >= the tokenizer's vocab size {state['vocab_size']}"
             )
+        seqs = [(ids, conv["loss_mask"])]
+        method = "pretokenized"
     else:
-        enc = state["encoder"].encode(conv["messages"], conv["tools"], p.turns)
-        ids, mask, method = enc.input_ids, enc.loss_mask, enc.method
-    if not any(mask):
+        enc = state["encoder"]
+        if p.turns == "each":
+            encs = enc.encode_each(conv["messages"], conv["tools"])
+        else:
+            encs = [enc.encode(conv["messages"], conv["tools"], p.turns)]
+        seqs = [(e.input_ids, e.loss_mask) for e in encs]
+        method = "fallback" if any(e.method == "fallback" for e in encs) else "scan"
+    seqs = [(ids, mask) for ids, mask in seqs if any(mask)]
+    if not seqs:
         return "dropped", "no_assistant_turn"
-    truncated = len(ids) > p.max_seq_len
-    ids, mask = ids[: p.max_seq_len], mask[: p.max_seq_len]
-    n_trainable = sum(mask)
-    if n_trainable == 0:
+    out = []
+    for k, (ids, mask) in enumerate(seqs):
+        truncated = len(ids) > p.max_seq_len
+        ids, mask = ids[: p.max_seq_len], mask[: p.max_seq_len]
+        if n_trainable := sum(mask):
+            rid = f"{conv['id']}#t{k}" if p.turns == "each" else conv["id"]
+            rec = {"id": rid, "source": conv["source"], "input_ids": ids, "loss_mask": mask}
+            if p.turns == "each":  # the conversation a turn came from (a held-out split should keep it whole)
+                rec |= {"conversation": conv["id"], "turn": k}
+            out.append(rec | {"n_tokens": len(ids), "n_trainable": n_trainable, "truncated": truncated})
+    if not out:
         return "dropped", "truncated_away"
-    rec = {"id": conv["id"], "source": conv["source"], "input_ids": ids, "loss_mask": mask}
-    rec |= {"n_tokens": len(ids), "n_trainable": n_trainable, "truncated": truncated}
-    return "kept", rec | {"_method": method}  # _method is counted in meta.json, not written
+    out[0]["_method"] = method  # counted in meta.json (how the row was masked), not written
+    return "kept", out
 
 
 def _prepare_batch(task: tuple[formats.Source, list]) -> list[tuple]:
@@ -94,12 +111,15 @@ def run_dataset(cfg: params.StageConfig, src: formats.Source, root: Path, tok: A
     ):
         for kind, payload in results:
             if kind == "kept":
-                tokens, trainable = tokens + payload["n_tokens"], trainable + payload["n_trainable"]
-                truncated += payload["truncated"]
-                located[payload.pop("_method")] += 1
+                located[payload[0].pop("_method")] += 1
+                for rec in payload:
+                    tokens, trainable = tokens + rec["n_tokens"], trainable + rec["n_trainable"]
+                    truncated += rec["truncated"]
             out.add(kind, payload)
     extra = {"dataset": src.name, "source": src.model_dump(), "tokens": tokens, "trainable_tokens": trainable}
-    extra["turns_located_by"] = dict(located)
+    extra["masked_by"] = dict(
+        located
+    )  # kept rows by how their spans were found: scan / fallback / pretokenized
     extra |= {"truncated": truncated, "params": p.model_dump(mode="json", exclude={"datasets"})}
     return records.finish_dataset(out, extra, p.max_reject_fraction)
 
@@ -107,6 +127,47 @@ def run_dataset(cfg: params.StageConfig, src: formats.Source, root: Path, tok: A
 def run(cfg: params.StageConfig) -> dict:
     """Run 01_prepare_A: every A dataset -> data/A/<name>/records.jsonl; returns the stage meta."""
     return records.run_stage(cfg, "A", run_dataset)
+
+
+def answer_text(meta: dict) -> str:
+    """The report's first sentence: records kept and why others were not, trainable tokens, masking methods,
+    and a warning when the template drops earlier turns' reasoning and ``turns`` is not ``each``."""
+    sets = meta["datasets"].values()
+    masked: Counter = Counter()
+    for m in sets:
+        masked.update(m.get("masked_by", {}))
+    seqs = sum(m.get("sequences", m["kept"]) for m in sets)
+    trainable = sum(m.get("trainable_tokens", 0) for m in sets)
+    text = f"**{meta['kept']:,} of {meta['read']:,} A records kept**{records.outcome_clause(meta)}"
+    text += f", {seqs:,} training sequences" if seqs != meta["kept"] else ""
+    text += f", {trainable:,} trainable tokens; masks: {masked['scan']:,} scan, {masked['fallback']:,} verified fallback"
+    text += f", {masked['pretokenized']:,} pre-tokenized." if masked["pretokenized"] else "."
+    turns = meta["params"].get("turns")
+    if (meta.get("template") or {}).get("drops_history_reasoning") and turns != "each":
+        text += (
+            f" **The chat template drops the reasoning of earlier turns**, so with `turns: {turns}` those turns"
+            " train an empty think block + answer, a continuation the target never produces while it thinks:"
+            " set `turns: each` (one sequence per assistant turn, as the target saw it)."
+        )
+    return text
+
+
+def answer(meta: dict):
+    """:func:`answer_text` as Markdown, for the top of the report."""
+    return records.markdown(answer_text(meta))
+
+
+def masking_table(meta: dict):
+    """Per dataset, how the rows were masked: scan (one pass), verified fallback, pre-tokenized, rejected."""
+    import pandas as pd
+
+    rows = []
+    for name, m in meta["datasets"].items():
+        by = m.get("masked_by", {})
+        row = {"dataset": name, "scan": by.get("scan", 0), "verified_fallback": by.get("fallback", 0)}
+        row |= {"pretokenized": by.get("pretokenized", 0), "rejected": m["rejected"]}
+        rows.append(row | {"reject_reasons": records.top_reasons(m.get("reject_reasons", {}))})
+    return pd.DataFrame(rows)
 
 
 def preview(cfg: params.StageConfig, dataset: str, n_chars: int = 1500) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import re
 import shutil
 import time
 from collections import Counter, deque
@@ -115,6 +116,13 @@ def fingerprint(src: formats.Source, stage_params: dict, tokenizer: Any) -> str:
     )
 
 
+def reason_key(reason: str) -> str:
+    """A reject reason without its record-specific parts, for counting: "message 4: the template does not
+    render the assistant content verbatim" -> "the template does not render the assistant content verbatim"."""
+    reason = re.sub(r"^message \d+( \(\w+\))?: ", "", reason)
+    return re.sub(r"\d+", "N", reason.split(" (")[0].split(": ")[0])[:80]
+
+
 class DatasetOutput:
     """Writes one dataset's records + rejects into a partial directory; publishes it with meta.json at the end."""
 
@@ -131,15 +139,18 @@ class DatasetOutput:
         self.started = time.time()
 
     def add(self, kind: str, payload: Any) -> None:
+        """One row's outcome; a kept row's payload is a record or, for ``turns: each``, a list of them."""
         self.counts["read"] += 1
         if kind == "kept":
             self.counts["kept"] += 1
-            self._write(self.records_file, payload)
+            for rec in payload if isinstance(payload, list) else [payload]:
+                self.counts["sequences"] += 1
+                self._write(self.records_file, rec)
         elif kind == "dropped":
             self.dropped[payload] += 1
         else:
             self.counts["rejected"] += 1
-            self.reject_reasons[payload["reason"].split(":")[0][:60]] += 1
+            self.reject_reasons[reason_key(payload["reason"])] += 1
             self._write("rejects.jsonl", payload)
 
     def _write(self, fname: str, rec: dict) -> None:
@@ -160,6 +171,7 @@ class DatasetOutput:
             "kept": self.counts["kept"],
             "dropped": dict(self.dropped),
             "rejected": self.counts["rejected"],
+            "sequences": self.counts["sequences"],  # records written (turns: each writes several per row)
             "reject_reasons": dict(self.reject_reasons),
             "fingerprint": self.key,
             "started": self.started,
@@ -200,7 +212,9 @@ def finish_dataset(out: DatasetOutput, extra: dict, limit: float) -> dict:
     return out.publish(extra) | {"reused": False}
 
 
-def finish_stage(cfg: params.StageConfig, root: Path, metas: dict[str, dict], started: float) -> dict:
+def finish_stage(
+    cfg: params.StageConfig, root: Path, metas: dict[str, dict], started: float, extra: dict | None = None
+) -> dict:
     """Write the stage meta.json (sums over datasets); raise StageFailed naming every failed dataset."""
     total = {"read": 0, "kept": 0, "rejected": 0, "dropped": Counter()}
     for m in metas.values():
@@ -208,16 +222,20 @@ def finish_stage(cfg: params.StageConfig, root: Path, metas: dict[str, dict], st
             total[k] += m[k]
         total["dropped"].update(m["dropped"])
     failed = [m["failure"] for m in metas.values() if m.get("failure")]
-    meta = total | {
-        "dropped": dict(total["dropped"]),
-        "datasets": metas,
-        "params": cfg.stage.model_dump(mode="json"),
-        "shared": cfg.shared.model_dump(mode="json"),
-        "status": "failed" if failed else "ok",
-        "started": started,
-        "finished": time.time(),
-        "seconds": round(time.time() - started, 3),
-    }
+    meta = (
+        total
+        | {
+            "dropped": dict(total["dropped"]),
+            "datasets": metas,
+            "params": cfg.stage.model_dump(mode="json"),
+            "shared": cfg.shared.model_dump(mode="json"),
+            "status": "failed" if failed else "ok",
+            "started": started,
+            "finished": time.time(),
+            "seconds": round(time.time() - started, 3),
+        }
+        | (extra or {})
+    )
     store.check_tally(meta, str(root / "meta.json"))
     store.write_json(root / "meta.json", meta)
     if failed:
@@ -232,9 +250,14 @@ def tally_table(meta: dict, item: str = "records"):
     rows = []
     for name, m in meta["datasets"].items():
         row = {"dataset": name, "read": m["read"], item: m["kept"], "dropped": sum(m["dropped"].values())}
-        row |= {"rejected": m["rejected"]} | {k: m[k] for k in ("tokens", "trainable_tokens") if k in m}
+        row |= {"rejected": m["rejected"]}
+        if m.get("sequences", m["kept"]) != m["kept"]:
+            row["sequences"] = m["sequences"]  # turns: each, one sequence per assistant turn
+        row |= {k: m[k] for k in ("tokens", "trainable_tokens") if k in m}
         rows.append(row)
     df = pd.DataFrame(rows)
+    if "sequences" in df:
+        df["sequences"] = df["sequences"].fillna(df[item]).astype(int)
     total = df.drop(columns="dataset").sum(numeric_only=True)
     return pd.concat([df, pd.DataFrame([{"dataset": "TOTAL", **total.to_dict()}])], ignore_index=True)
 
@@ -244,13 +267,15 @@ def run_stage(cfg: params.StageConfig, part: str, run_one) -> dict:
     `run_one(cfg, src, root, tok, initargs)` per dataset into data/<part>/, write the stage meta."""
     started = time.time()
     tok = models.load_tokenizer(cfg.shared)
-    chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs)  # fail early on a template without a usable probe
+    probe = chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs).probe  # fail early on an unusable template
     root = cfg.out("data", part)
     root.mkdir(parents=True, exist_ok=True)
     initargs = (models.resolve(cfg.shared.tokenizer_path), cfg.shared.trust_remote_code,
                 cfg.stage.chat_template_kwargs, cfg.stage)  # fmt: skip
     metas = {src.name: run_one(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
-    return finish_stage(cfg, root, metas, started)
+    template = {"assistant_header": probe.header, "end_of_turn": list(probe.ends),
+                "drops_history_reasoning": probe.drops_history_reasoning}  # fmt: skip
+    return finish_stage(cfg, root, metas, started, {"template": template})
 
 
 def reasons_table(meta: dict):
@@ -294,3 +319,32 @@ def headline(meta: dict) -> dict:
         n: {k: m[k] for k in ("read", "kept", "rejected")} for n, m in meta["datasets"].items()
     }
     return out
+
+
+def top_reasons(counts: dict[str, int], k: int = 3) -> str:
+    """ "reason x n, ..." of the k most frequent reasons (and how many more)."""
+    items = sorted(counts.items(), key=lambda kv: -kv[1])
+    out = ", ".join(f"{r} x{n}" for r, n in items[:k])
+    return out + (f", +{len(items) - k} more" if len(items) > k else "")
+
+
+def outcome_clause(meta: dict) -> str:
+    """ "(3 rejected: reason x2, ...; 5 dropped: duplicate x5)" or "" when nothing was lost."""
+    parts = []
+    reasons: Counter = Counter()
+    dropped: Counter = Counter()
+    for m in meta["datasets"].values():
+        reasons.update(m.get("reject_reasons", {}))
+        dropped.update(m["dropped"])
+    if meta["rejected"]:
+        parts.append(f"{meta['rejected']:,} rejected: {top_reasons(reasons)}")
+    if sum(dropped.values()):
+        parts.append(f"{sum(dropped.values()):,} dropped: {top_reasons(dropped)}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def markdown(text: str):
+    """Rendered as Markdown in a notebook (plain text elsewhere)."""
+    from IPython.display import Markdown
+
+    return Markdown(text)

@@ -181,3 +181,91 @@ def test_a_crash_mid_dataset_keeps_the_previous_output_and_hides_the_partial(wor
     monkeypatch.setattr(formats, "iter_rows", real)
     meta = prepare.run(make_cfg(world, tmp_path, max_seq_len=999))  # the rerun starts the dataset afresh
     assert meta["datasets"]["native_chat"]["read"] == N_ROWS and not meta["datasets"]["native_chat"]["reused"]
+
+
+def _trained_text(tok, rec) -> str:
+    return tok.decode([t for t, m in zip(rec["input_ids"], rec["loss_mask"], strict=True) if m])
+
+
+def test_turns_each_trains_every_turn_with_its_reasoning_once(world, tmp_path):
+    """One sequence per assistant turn: that turn (reasoning included, which `all` drops for history turns)
+    is its only trained text; 04's scanner and 05's loader count exactly these trainable tokens."""
+    from eagle_lib.analysis import scan
+    from eagle_lib.drafter import batches
+
+    meta = prepare.run(make_cfg(world, tmp_path / "each", turns="each"))
+    all_meta = prepare.run(make_cfg(world, tmp_path / "all"))
+    tok = AutoTokenizer.from_pretrained(world["tok"])
+    for name in A_SETS:
+        m = meta["datasets"][name]
+        path = tmp_path / "each" / "data" / "A" / name / "records.jsonl"
+        recs = store.read_jsonl(path)
+        src = formats.Source(name=name, path=str(world["data"] / f"{name}.jsonl"), adapter="openai")
+        convs = {}
+        for where, raw, err in formats.iter_rows(src):
+            try:
+                conv = formats.adapt(raw, src, where) if err is None else None
+            except formats.Malformed:
+                conv = None
+            if conv is not None:
+                convs[conv["id"]] = conv
+        turns = {cid: [x for x in c["messages"] if x["role"] == "assistant"] for cid, c in convs.items()}
+        assert m["kept"] == all_meta["datasets"][name]["kept"] == len(convs)
+        assert m["sequences"] == len(recs) == sum(len(t) for t in turns.values())
+        for rec in recs:
+            msg = turns[rec["conversation"]][rec["turn"]]
+            trained = _trained_text(tok, rec)
+            assert rec["id"] == f"{rec['conversation']}#t{rec['turn']}"
+            assert msg["content"] in trained and trained.endswith("<|im_end|>")
+            assert (
+                f"<think>{msg.get('reasoning_content', '')}</think>" in trained
+            )  # its own reasoning, trained
+            others = [x["content"] for k, x in enumerate(turns[rec["conversation"]]) if k != rec["turn"]]
+            assert not any(o and o in trained and o not in msg["content"] for o in others)  # history: mask 0
+        lens = scan.scan_dataset("A", name, [path], None)
+        assert sum(lens.cols["completion"]) == m["trainable_tokens"] == sum(r["n_trainable"] for r in recs)
+        assert m["trainable_tokens"] > all_meta["datasets"][name]["trainable_tokens"]  # history reasoning
+    train, held, _ = batches.load_sequences(tmp_path / "each", 0.0, 100_000)
+    assert sum(sum(s.loss_mask) for s in train) == sum(
+        meta["datasets"][n]["trainable_tokens"] for n in A_SETS
+    )
+
+
+def test_report_answer_names_methods_and_recommends_each(world, tmp_path):
+    meta = prepare.run(make_cfg(world, tmp_path))
+    text = prepare.answer_text(meta)
+    n_kept = 2 * (N_ROWS - N_BAD)
+    assert text.startswith(f"**{n_kept} of {2 * N_ROWS} A records kept** ({2 * N_BAD} rejected: ")
+    assert f"masks: {n_kept} scan, 0 verified fallback." in text
+    assert "drops the reasoning of earlier turns" in text and "`turns: each`" in text
+    assert meta["template"]["drops_history_reasoning"] is True
+    table = prepare.masking_table(meta)
+    assert list(table.columns[:5]) == ["dataset", "scan", "verified_fallback", "pretokenized", "rejected"]
+    assert table["scan"].sum() == n_kept and table["rejected"].sum() == 2 * N_BAD
+    each = prepare.answer_text(prepare.run(make_cfg(world, tmp_path / "each", turns="each")))
+    assert "drops the reasoning" not in each and "training sequences" in each
+
+
+def test_masking_methods_and_reject_reasons_per_dataset(world, tmp_path):
+    """A user pasting the assistant header forces the verified fallback; an empty assistant is rejected."""
+    hi = {"role": "user", "content": "Hi"}
+    rows = [
+        {"messages": [hi, {"role": "assistant", "content": "Hello."}]},
+        {"messages": [{"role": "user", "content": "What is <|im_assistant|>assistant<|im_middle|>?"},
+                      {"role": "assistant", "content": "A header."}]},
+        {"messages": [hi, {"role": "assistant", "content": ""}, hi, {"role": "assistant", "content": "Yes."}]},
+    ]  # fmt: skip
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = make_cfg(world, tmp_path)
+    src = formats.Source(name="mixed", path=str(path), adapter="openai")
+    cfg = params.StageConfig(
+        base.name, tmp_path, base.shared, prepare.Params(datasets=[src], max_reject_fraction=0.5)
+    )
+    m = prepare.run(cfg)["datasets"]["mixed"]
+    assert m["masked_by"] == {"scan": 1, "fallback": 1}
+    assert m["reject_reasons"] == {"empty assistant message": 1}
+    assert (
+        "message 1: empty assistant message"
+        in store.read_jsonl(tmp_path / "data/A/mixed/rejects.jsonl")[0]["reason"]
+    )
