@@ -176,7 +176,7 @@ class EmbeddedEngine:
     on_start = None  # callable(id, server) or None
 
     def __init__(self, model, sampling: Sampling, batch_size: int = 16, max_batch_tokens: int = 16384,
-                 max_model_len: int = 0, window_batches: int = 4):  # fmt: skip
+                 max_model_len: int = 0, window_batches: int = 1):  # fmt: skip
         self.model, self.sampling, self.window_batches = model, sampling, max(1, window_batches)
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
         self.max_model_len = max_model_len or int(

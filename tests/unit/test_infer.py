@@ -34,10 +34,11 @@ def world(tmp_path_factory):
     return d, AutoTokenizer.from_pretrained(d)
 
 
-def make_run(tmp_path: Path, tok, sizes: dict[str, int]) -> Path:
+def make_run(tmp_path: Path, tok, sizes: dict[str, int], source: str = "tiny") -> Path:
     run = tmp_path / "run"
     for name, n in sizes.items():
-        store.append_jsonl(run / "data" / "B" / name / "prompts.jsonl", make_prompts(tok, n, seed=n))
+        prompts = [p | {"source": source} for p in make_prompts(tok, n, seed=n)]
+        store.append_jsonl(run / "data" / "B" / name / "prompts.jsonl", prompts)
     return run
 
 
@@ -139,59 +140,117 @@ def test_restart_after_a_crash_generates_only_the_rest(world, tmp_path, monkeypa
     )
 
 
-def test_sigkill_at_random_points_then_finish(world, tmp_path):
-    """The CLI is SIGKILLed at random points several times, then finishes: one record per prompt."""
-    d, tok = world
-    n, eos = 300, tok.convert_tokens_to_ids("<|im_end|>")  # rarely emitted: long answers, work to interrupt
-    run = make_run(tmp_path, tok, {"a": n})
-    pfile = tmp_path / "kill.yaml"
-    stage = {
-        "stop_token_ids": [eos],
-        "batch_size": 4,
-        "write_every": 2,
-        "progress": False,
-    }
-    pfile.write_text(yaml.safe_dump({"run_name": "kill", "shared": {"target": str(d), "num_workers": 1, "max_new_tokens": 24},
-                                     "stages": {"03_infer": stage}}))  # fmt: skip
-    cmd = [sys.executable, "-m", "eagle_lib.infer", str(pfile), "--run-dir", str(run)]
-    out = run / "infer/a/responses.jsonl"
-    rng, kills = random.Random(7), 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for _ in range(6):  # until 3 runs were killed mid-way
-        before = out.stat().st_size if out.exists() else 0
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while (
-            proc.poll() is None
-            and time.monotonic() < deadline
-            and out.exists()
-            and out.stat().st_size == before
-        ):
-            time.sleep(0.01)  # wait until this run has committed something, then kill it at a random moment
-        while proc.poll() is None and time.monotonic() < deadline and not out.exists():
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.3))
-        if proc.poll() is None:
+NON_ASCII = "données·日本語·🙂"  # every record carries it (source): a torn tail can be cut inside a character
+
+
+def kill_mid_write(cmd: list[str], out: Path, env: dict, deadline_s: float = 120) -> None:
+    """Start the slow-append CLI and SIGKILL it while a record is half written (its tail cut inside a character)."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + deadline_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists() and (data := out.read_bytes()) and not data.endswith(b"\n"):
             os.killpg(proc.pid, signal.SIGKILL)
-            kills += 1
-        proc.wait(timeout=30)
-        if kills == 3:
             break
-    assert kills == 3
+        time.sleep(0.01)
+    proc.wait(timeout=30)
+    data = out.read_bytes()
+    assert proc.returncode == -signal.SIGKILL and not data.endswith(b"\n"), "not killed mid-write"
+    with pytest.raises(UnicodeDecodeError):
+        data[data.rfind(b"\n") + 1 :].decode()  # the torn tail ends inside a multi-byte character
+
+
+def params_file(tmp_path: Path, world_dir: Path, max_new_tokens: int, **stage) -> Path:
+    f = tmp_path / "kill.yaml"
+    shared = {"target": str(world_dir), "num_workers": 1, "max_new_tokens": max_new_tokens}
+    f.write_text(yaml.safe_dump({"run_name": "kill", "shared": shared, "stages": {"03_infer": stage}}))
+    return f
+
+
+def test_sigkill_mid_write_then_finish(world, tmp_path):
+    """The CLI is SIGKILLed three times in the middle of writing a non-ASCII record, then finishes: one record
+    per prompt, none lost, none duplicated, outputs belong to their ids."""
+    d, tok = world
+    n, eos = 60, tok.convert_tokens_to_ids("<|im_end|>")  # rarely emitted: long answers, work to interrupt
+    run = make_run(tmp_path, tok, {"a": n}, source=NON_ASCII)
+    stage = {"stop_token_ids": [eos], "batch_size": 4, "write_every": 2, "progress": False}
+    pfile = params_file(tmp_path, d, 24, **stage)
+    out = run / "infer/a/responses.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    slow = [sys.executable, "-m", "tests.support.slow_append", str(pfile), "--run-dir", str(run)]
+    for _ in range(3):
+        kill_mid_write(slow, out, env)
     partial = len(records(run, "a"))
     assert 0 < partial < n
-    with open(out, "ab") as f:
-        f.write(b'{"id":"s00002","source":"tiny","prompt_ids":[257,84')  # torn last line
+    cmd = [sys.executable, "-m", "eagle_lib.infer", str(pfile), "--run-dir", str(run)]
     subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, timeout=300, capture_output=True)
     recs = records(run, "a")
     prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
     assert Counter(r["id"] for r in recs) == Counter(p["id"] for p in prompts)  # none lost, none duplicated
+    assert all(r["source"] == NON_ASCII for r in recs)
     meta = store.read_json(run / "infer/a/meta.json")
     assert (meta["kept"], meta["resumed"], meta["duplicates_ignored"]) == (n, partial, 0)
-    sample = random.Random(1).sample(prompts, 30)  # outputs belong to their ids (a sample, for speed)
+    sample = random.Random(1).sample(prompts, 20)  # outputs belong to their ids (a sample, for speed)
     by_id = {r["id"]: r["output_ids"] for r in recs}
     assert {p["id"]: by_id[p["id"]] for p in sample} == reference(d, sample, max_new=24, stop=eos)
+
+
+def test_sigkill_during_the_merge_of_shards(world, tmp_path):
+    """Two shards done; the merging run is SIGKILLed mid-write; the next run merges the rest exactly once."""
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 40}, source=NON_ASCII)
+    for shard in ("0/2", "1/2"):
+        infer.run(config(run, d), shard=shard)
+    pfile = params_file(tmp_path, d, 12, stop_token_ids=[STOP], write_every=3, progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    main = run / "infer/a/responses.jsonl"
+    kill_mid_write(
+        [sys.executable, "-m", "tests.support.slow_append", str(pfile), "--run-dir", str(run)], main, env
+    )
+    partial = len(records(run, "a"))
+    assert 0 < partial < 40
+    meta = infer.run(config(run, d))["datasets"]["a"]
+    assert (meta["merged_from_shards"], meta["generated"], meta["kept"]) == (40 - partial, 0, 40)
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    assert Counter(r["id"] for r in records(run, "a")) == Counter(p["id"] for p in prompts)
+
+
+def test_ledger_of_starts_and_a_seeded_random_order(world, tmp_path):
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 24})
+    infer.run(config(run, d, batch_size=4))
+    starts, recs = store.read_jsonl(run / "infer/a/started.jsonl"), records(run, "a")
+    assert Counter(s["id"] for s in starts) == Counter(r["id"] for r in recs)  # every request started once
+    by_id = {s["id"]: s for s in starts}
+    assert all(
+        by_id[r["id"]]["t"] <= r["finished_at"] and by_id[r["id"]]["server"] == "embedded" for r in recs
+    )
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    shuffled = [p["id"] for p in prompts]
+    random.Random("0:a").shuffle(shuffled)  # the documented order: seed 0, dataset "a"
+    started = [s["id"] for s in starts]  # in the order the engine admitted them
+    windows = lambda ids: [set(ids[i : i + 4]) for i in range(0, len(ids), 4)]  # noqa: E731
+    assert windows(started) == windows(shuffled) and started != [p["id"] for p in prompts]
+
+
+def test_resume_sets_aside_records_of_another_target_or_other_stop_ids(world, tmp_path):
+    d, tok = world
+    other = build_world(tmp_path / "other", seed=1)  # the same tokenizer, another model
+    run = make_run(tmp_path, tok, {"a": 4})
+    infer.run(config(run, d))
+    before = (run / "infer/a/responses.jsonl").read_bytes()
+    with pytest.raises(infer.InferError, match=r"is stale: it was made by .*this run's target is"):
+        infer.run(config(run, other))
+    assert (run / "infer/a/responses.jsonl").read_bytes() == before
+    meta = infer.run(config(run, other, on_stale="set_aside"))["datasets"]["a"]
+    assert (meta["set_aside"], meta["generated"], meta["kept"]) == (4, 4, 4)
+    assert (run / "infer/a/stale.jsonl").read_bytes() == before
+    assert all(r["target"]["model"] == str(other) for r in records(run, "a"))
+    with pytest.raises(infer.InferError, match=r"made with stop ids \[164\], this run stops at \[164, 165\]"):
+        infer.run(config(run, other, stop_token_ids=[STOP, 165]))
+    meta = infer.run(config(run, other, stop_token_ids=[STOP, 165], on_stale="set_aside"))["datasets"]["a"]
+    assert (meta["set_aside"], meta["generated"]) == (4, 4)
+    assert len(store.read_jsonl(run / "infer/a/stale.jsonl")) == 8
 
 
 def test_shards_then_merge_exactly_once(world, tmp_path):
