@@ -6,8 +6,9 @@ user / assistant / tool; assistant messages may carry ``reasoning_content`` and 
 ``{"type": "function", "function": {...}}`` and ``group`` a key shared by rows of the same task (SWE instance
 id) or None. The pre-tokenized schema yields ``{id, source, input_ids, loss_mask, group}`` instead.
 
-A source (:class:`Source`) is a hub id (read through ``datasets`` with config / split / streaming), a local
-json / jsonl / parquet file, or ``toy://data/<name>``. :func:`iter_rows` yields each raw row with its location
+A source (:class:`Source`) is a hub id or a local folder laid out like a hub dataset repository (both read
+through ``datasets.load_dataset`` with config / split / streaming / data_files), a local json / jsonl / parquet
+file, or ``toy://data/<name>``. :func:`iter_rows` yields each raw row with its location
 (file and line or row) or the reason it could not be parsed; :func:`adapt` applies the source's adapter and
 raises :class:`Malformed` (the row is rejected) or :class:`Skip` (the row is dropped for a counted reason).
 """
@@ -30,7 +31,7 @@ class Source(params.Strict):
     """One dataset: where it lives and which adapter reads it."""
 
     name: str  # dataset name: output directory data/<A|B>/<name>/ and the `source` field of records
-    path: str  # local .jsonl/.json/.parquet file, toy://data/<name>, or a hub dataset id
+    path: str  # local .jsonl/.json/.parquet file, toy://data/<name>, a hub dataset id or a hub-layout folder
     adapter: Adapter  # the schema: glaive, mot, openthoughts, swe_agent, sharegpt, openai, ... (see ADAPTERS)
     config: str = ""  # hub dataset config (e.g. "all" for Mixture-of-Thoughts); empty: default
     split: str = "train"  # hub dataset split
@@ -77,7 +78,7 @@ def resolve_path(path: str) -> str:
 def iter_rows(src: Source) -> Iterator[tuple[dict, dict | None, str | None]]:
     """Yield ``(where, row, error)`` for every row of ``src``: ``where`` = {file, line|row}; error = why unreadable."""
     path = resolve_path(src.path)
-    if is_hub_id(path):
+    if is_hub_id(path) or Path(path).is_dir():  # a folder laid out like a hub dataset repo reads the same way
         rows = _iter_hub(src, path)
     else:
         p = Path(path)
@@ -136,13 +137,25 @@ def _iter_parquet(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
 def _iter_hub(src: Source, hub_id: str) -> Iterator[tuple[dict, dict | None, str | None]]:
     import datasets
 
+    datasets.disable_progress_bars()  # progress bars go to stderr: noise in the executed reports
+    datasets.logging.set_verbosity_error()
     kw = {"data_files": src.data_files} if src.data_files else {}
     ds = datasets.load_dataset(
         hub_id, name=src.config or None, split=src.split, streaming=src.streaming, **kw
     )
     label = f"{hub_id}[{src.config or 'default'}:{src.split}]"
     for i, row in enumerate(ds):
-        yield {"file": label, "row": i}, dict(row), None
+        yield {"file": label, "row": i}, _without_nulls(row), None
+
+
+def _without_nulls(val: Any) -> Any:
+    """Arrow stores rows as structs: a key one row lacks comes back as None in every other row (a tool schema
+    gains the properties of all the others' tools). Keys with None values are dropped, as if missing."""
+    if isinstance(val, dict):
+        return {k: _without_nulls(v) for k, v in val.items() if v is not None}
+    if isinstance(val, list):
+        return [_without_nulls(v) for v in val]
+    return val
 
 
 # ---------------------------------------------------------------- helpers shared by adapters

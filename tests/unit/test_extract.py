@@ -153,3 +153,28 @@ def test_pretokenized_b_source_is_rejected(world, tmp_path):
         extract.run(make_cfg(world, tmp_path, [src]))
     rej = store.read_jsonl(tmp_path / "data" / "B" / "pre" / "rejects.jsonl")
     assert "no messages to regenerate" in rej[0]["reason"]
+
+
+def test_hub_layout_dataset_streamed_with_workers_gives_the_prompts_of_its_jsonl(
+    world, tmp_path, monkeypatch
+):
+    """02 through datasets.load_dataset (streaming) on a local hub-layout repo, 2 workers: the prompts of the
+    jsonl file the repo was made from."""
+    import datasets
+
+    from tests.support import hub_repo
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name in ("native_chat", "native_tools"):
+        toy_data.write_dataset(tmp_path, name, 0, 30, 0)
+    repo = hub_repo.build(tmp_path / "repo", tmp_path / "native_chat.jsonl", tmp_path / "native_tools.jsonl")
+    hub = extract.BSource(name="tools", path=str(repo), adapter="openai", config="tools", streaming=True)
+    local = extract.BSource(name="tools", path=str(tmp_path / "native_tools.jsonl"), adapter="openai")
+    for run, src in (("hub", hub), ("local", local)):
+        extract.run(make_cfg(world, tmp_path / run, [src], workers=2, dedup=False))
+    got, want = (store.read_jsonl(tmp_path / r / "data/B/tools/prompts.jsonl") for r in ("hub", "local"))
+    assert len(got) == len(want) == 30
+    assert [(r["prompt_ids"], r["messages"], r["tools"]) for r in got] == [
+        (r["prompt_ids"], r["messages"], r["tools"]) for r in want
+    ]

@@ -316,3 +316,60 @@ def test_every_toy_dataset_loads_and_only_malformed_rows_fail(name, tmp_path):
     assert len(skipped) <= entry["quirks"].get("empty", 0) + entry["quirks"].get(
         "starts_with_function_response", 0
     )
+
+
+@pytest.fixture(scope="module")
+def hub_repo(tmp_path_factory):
+    """Toy chat + tool rows (valid ones: a parquet schema holds no malformed rows) and the hub-layout folder."""
+    from tests.support import hub_repo
+
+    root = tmp_path_factory.mktemp("hub")
+    for name in ("native_chat", "native_tools"):
+        toy_data.write_dataset(root, name, 0, 30, 0)
+    return root, hub_repo.build(root / "repo", root / "native_chat.jsonl", root / "native_tools.jsonl")
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def _adapted(src: formats.Source) -> list[dict]:
+    return [formats.adapt(r, src, w) for w, r, e in formats.iter_rows(src) if e is None]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("config, jsonl", [("chat", "native_chat.jsonl"), ("tools", "native_tools.jsonl")])
+def test_hub_layout_folder_reads_like_its_jsonl(hub_repo, datasets_cache, config, jsonl, streaming):
+    """The hub path (datasets.load_dataset with config, split, streaming) on a local repo folder: the same
+    conversations as the jsonl file it was made from (ids aside: rows are numbered from 0, lines from 1)."""
+    root, repo = hub_repo
+    hub = formats.Source(name="x", path=str(repo), adapter="openai", config=config, streaming=streaming)
+    local = formats.Source(name="x", path=str(root / jsonl), adapter="openai")
+    got, want = _adapted(hub), _adapted(local)
+    assert len(got) == len(want) == 30
+    for g, w in zip(got, want, strict=True):
+        assert g["id"].split(":")[1] == str(int(w["id"].split(":")[1]) - 1)
+        assert (g["messages"], g["tools"]) == (w["messages"], w["tools"])
+    first = next(formats.iter_rows(hub))[0]
+    assert first == {"file": f"{repo}[{config}:train]", "row": 0}
+
+
+def test_hub_layout_max_read_data_files_and_bad_config(hub_repo, datasets_cache):
+    root, repo = hub_repo
+    capped = formats.Source(
+        name="x", path=str(repo), adapter="openai", config="chat", max_read=7, streaming=True
+    )
+    assert len(list(formats.iter_rows(capped))) == 7
+    one = formats.Source(
+        name="x", path=str(repo), adapter="openai", data_files="chat/train-00001-of-00002.parquet"
+    )
+    assert len(list(formats.iter_rows(one))) == 15  # the second shard only
+    raw = formats.Source(name="x", path=str(repo), adapter="openai", data_files="raw/native_tools.jsonl")
+    local = formats.Source(name="x", path=str(root / "native_tools.jsonl"), adapter="openai")
+    assert [c["messages"] for c in _adapted(raw)] == [c["messages"] for c in _adapted(local)]
+    with pytest.raises(ValueError, match="nope"):
+        list(formats.iter_rows(formats.Source(name="x", path=str(repo), adapter="openai", config="nope")))

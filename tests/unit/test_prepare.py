@@ -269,3 +269,35 @@ def test_masking_methods_and_reject_reasons_per_dataset(world, tmp_path):
         "message 1: empty assistant message"
         in store.read_jsonl(tmp_path / "data/A/mixed/rejects.jsonl")[0]["reason"]
     )
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hub_layout_dataset_with_workers_gives_the_records_of_its_jsonl(
+    world, tmp_path, monkeypatch, streaming
+):
+    """01 through datasets.load_dataset on a local hub-layout repo (two configs, parquet), 2 workers: the same
+    token ids and masks, in the same order, as from the jsonl files the repo was made from."""
+    import datasets
+
+    from tests.support import hub_repo
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name in A_SETS:
+        toy_data.write_dataset(tmp_path, name, 0, 30, 0)
+    repo = hub_repo.build(tmp_path / "repo", tmp_path / "native_chat.jsonl", tmp_path / "native_tools.jsonl")
+    hub = [formats.Source(name=n, path=str(repo), adapter="openai", config=c, streaming=streaming)
+           for n, c in (("native_chat", "chat"), ("native_tools", "tools"))]  # fmt: skip
+    local = [formats.Source(name=n, path=str(tmp_path / f"{n}.jsonl"), adapter="openai") for n in A_SETS]
+    base = make_cfg(world, tmp_path, workers=2)
+    for run, srcs in (("hub", hub), ("local", local)):
+        p = prepare.Params(datasets=srcs, batch_size=8)
+        prepare.run(params.StageConfig(base.name, tmp_path / run, base.shared, p))
+    for name in A_SETS:
+        got, want = (
+            store.read_jsonl(tmp_path / r / "data/A" / name / "records.jsonl") for r in ("hub", "local")
+        )
+        assert len(got) == len(want) == 30
+        assert [(r["input_ids"], r["loss_mask"]) for r in got] == [
+            (r["input_ids"], r["loss_mask"]) for r in want
+        ]
