@@ -206,10 +206,12 @@ class VllmHidden:
         self.stats["tokens"] += off
         store.append_jsonl(self.buf / "served.jsonl", [{"unit": u, "session": self.session}], fsync=False)
         self.stats["bytes"] += path.stat().st_size
+        self.next = u + 1
+        hb.write_json(
+            self.buf / "cursor.json", {"next": self.next}
+        )  # before the unlink (producers rely on it)
         if not self.keep:
             path.unlink()
-        self.next = u + 1
-        hb.write_json(self.buf / "cursor.json", {"next": self.next})
         if self.next == len(self.units):
             self.close()
         logits = self.head(last.to(self.device))

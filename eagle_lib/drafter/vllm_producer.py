@@ -142,17 +142,24 @@ class Producer:
         while pos < len(mine):
             if any(f.exists() for f in self.stop_files) or (self.parent and os.getppid() != self.parent):
                 break  # asked to stop, or the trainer that started us is gone
+            # Look at the files first, then at the cursor: the trainer advances the cursor before it deletes
+            # a unit, so a unit seen missing here and consumed meanwhile is below the cursor read after.
+            ahead = mine[pos : pos + self.cfg["units_per_call"]]
+            exists = [(self.buf / hb.unit_name(v)).exists() for v in ahead]
             cursor = hb.read_cursor(self.buf)
             self.ledger.release_consumed(cursor)
-            u = mine[pos]
-            if u < cursor or (self.buf / hb.unit_name(u)).exists():
-                if u >= cursor:  # made by an earlier run of this producer: still counts until consumed
-                    self.ledger.add(u, (self.buf / hb.unit_name(u)).stat().st_size)
+            u = ahead[0]
+            if u < cursor or exists[0]:
+                if u >= cursor:  # made by an earlier run of this producer: counts until consumed
+                    try:
+                        self.ledger.add(u, (self.buf / hb.unit_name(u)).stat().st_size)
+                    except FileNotFoundError:  # consumed in the meantime
+                        pass
                 pos += 1
                 continue
             batch, reserve = [], 0
-            for v in mine[pos : pos + self.cfg["units_per_call"]]:
-                if (self.buf / hb.unit_name(v)).exists() or not self.ledger.fits(reserve + self.need(v)):
+            for v, made in zip(ahead, exists, strict=True):
+                if made or v < cursor or not self.ledger.fits(reserve + self.need(v)):
                     break
                 batch.append(v)
                 reserve += self.need(v)
