@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
               f"final {fv['share']:.1%}")  # fmt: skip
     c = res.corpus["completion"]
     total = sum(v["tokens"] for v in final.values())
-    print(f"corpus trainable (B) tokens {c['projected']:,.0f} [{c['lo']:,.0f}, {c['hi']:,.0f}], final B {total:,d}")
+    print(
+        f"corpus trainable (B) tokens {c['projected']:,.0f} [{c['lo']:,.0f}, {c['hi']:,.0f}], final B {total:,d}"
+    )
     print(f"{sum(hits)}/{len(hits)} datasets' final tokens inside their interval")
-    print("answer:", res.answer)
+    print("answer:", res.answer_text)
     v = res.verdicts[res.verdicts.check == "truncation"]
     print(v[["level", "dataset", "message"]].to_string(index=False))
     return 0

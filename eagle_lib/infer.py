@@ -163,11 +163,13 @@ def make_engine(cfg: params.StageConfig, tokenizer):
 
 
 def _progress(enabled: bool, total: int, name: str):
+    """A text progress bar; in a notebook kernel on stdout (stderr shows as red noise in the report)."""
+    import sys
+
     from tqdm import tqdm
 
-    return tqdm(
-        total=total, desc=name, unit="prompt", disable=not enabled, mininterval=2.0, dynamic_ncols=True
-    )
+    out = sys.stdout if "ipykernel" in sys.modules else sys.stderr
+    return tqdm(total=total, desc=name, unit="prompt", disable=not enabled, mininterval=2.0, file=out)
 
 
 def pending_order(pending: list[dict], seed: int, name: str, shuffle: bool = True) -> list[dict]:
@@ -361,6 +363,25 @@ def headline(meta: dict) -> dict:
         "tokens_per_s": meta["tokens_per_s"], "length_share": round(meta["finish_reason"].get("length", 0) / n, 4),
         "engine": meta["probe"]["engine"],
     }  # fmt: skip
+
+
+def answer_text(meta: dict, limit_share: float = 0.05) -> str:
+    """The report's first sentence: prompts answered, errors, tokens and speed, datasets cut at the limit."""
+    h, ds = headline(meta), meta["datasets"]
+    cut = [n for n, m in ds.items() if m["finish_reason"].get("length", 0) > limit_share * max(m["kept"], 1)]
+    text = (f"**{h['responses']:,} of {h['prompts']:,} prompts answered** ({h['errors']:,} errors) in {len(ds)} "
+            f"datasets: {h['output_tokens']:,} output tokens at {h['tokens_per_s']:,.0f} tokens/s ({h['engine']}); ")  # fmt: skip
+    if cut:
+        return text + (f"{len(cut)} dataset(s) cut at max_new_tokens in > {limit_share:.0%} of responses "
+                       f"({', '.join(cut)}): raise max_new_tokens (04 has the details).")  # fmt: skip
+    return text + f"no dataset cut at max_new_tokens in > {limit_share:.0%} of responses."
+
+
+def answer(meta: dict):
+    """answer_text as Markdown, for the notebook."""
+    from IPython.display import Markdown
+
+    return Markdown(answer_text(meta))
 
 
 def preview(cfg: params.StageConfig, n_chars: int = 400) -> str:

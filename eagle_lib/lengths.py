@@ -171,11 +171,17 @@ class LengthReport:
     figures: dict = field(default_factory=dict)
 
     @property
-    def answer(self) -> str:
+    def answer_text(self) -> str:
         """The report's first line: a sentence with the numbers (tokens, truncation, what to do)."""
         from eagle_lib.analysis.verdicts import answer
 
         return answer(self)
+
+    def answer(self):
+        """answer_text as Markdown (bold), for the notebook."""
+        from IPython.display import Markdown
+
+        return Markdown(f"**{self.answer_text}**")
 
     def view(self, name: str) -> pd.DataFrame:
         """The columns of a wide table that answer its question (the full table is analysis/<name>.csv)."""
