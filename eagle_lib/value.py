@@ -41,6 +41,13 @@ from eagle_lib.drafter import batches, retrain
 from eagle_lib.serving import heldout_tau
 
 STAGE = "07_data_value"
+_TRAINING_SHARED = {
+    "target",
+    "tokenizer",
+    "trust_remote_code",
+    "seed",
+    "heldout_percent",
+}  # what the key holds
 _ORIGINALS = ["sharegpt", "ultrachat", "openthoughts_114k", "openthoughts3", "mot", "opencodeinstruct"]
 
 
@@ -76,13 +83,14 @@ class Params(params.Strict):
     short_datasets: list[str] = ["glaive"]  # short-response datasets (tool calls): reported on their own line
     regen: bool = True  # run the regenerated-vs-original study
     original_datasets: list[str] = _ORIGINALS  # B datasets with their own responses
+    regen_fraction: float = 1.0  # share of those datasets (training tokens) the two arms are drawn from
 
     @model_validator(mode="after")
     def _consistent(self):
         if not self.fractions or any(not 0 < f <= 1 for f in self.fractions) or len(set(self.fractions)) < 2:
             raise ValueError("fractions: at least two distinct shares in (0, 1]")
-        if not 0 < self.lodo_fraction <= 1 or self.step_scale <= 0:
-            raise ValueError("lodo_fraction must be in (0, 1] and step_scale > 0")
+        if not (0 < self.lodo_fraction <= 1 and 0 < self.regen_fraction <= 1) or self.step_scale <= 0:
+            raise ValueError("lodo_fraction and regen_fraction must be in (0, 1] and step_scale > 0")
         if (
             min(self.num_steps, self.eval_max_new_tokens, self.max_prompts_per_dataset, self.bootstrap_reps)
             < 1
@@ -153,7 +161,7 @@ class Study:
 
     def key(self, seqs: list, steps: int, warmup: int) -> str:
         ids = sorted(s.id + ":" + store.stable_hash(s.input_ids) for s in seqs)
-        shared = self.cfg.shared.model_dump(exclude={"num_workers", "device"})
+        shared = self.cfg.shared.model_dump(include=_TRAINING_SHARED)
         return store.stable_hash({"recipe": self.recipe, "shared": shared, "ids": ids, "s": (steps, warmup)})
 
     def arm(self, name: str, study: str, seqs: list, reuse_dir: Path | None = None) -> dict:
@@ -182,6 +190,10 @@ class Study:
             "seconds": time.time() - t0,
         }  # fmt: skip
         self.arms[name] = info
+        tau = self.decoder.sums.tau(name)
+        print(
+            f"[{STAGE}] {name}: {how}, {steps} steps on {info['tokens']} tokens, tau {tau:.3f} ({info['seconds']:.0f} s)"
+        )
         return info
 
     def _eval_id(self) -> dict:
@@ -233,7 +245,7 @@ def _regen(st: Study, p: Params) -> tuple[pd.DataFrame, dict]:
     tok = models.load_tokenizer(st.cfg.shared)
     regen, orig, tally = [], [], {}
     for ds in [d for d in p.original_datasets if d in st.groups]:
-        seqs = {s.id: s for s in st.groups[ds]}
+        seqs = {s.id: s for s in subsets.prefix(st.groups[ds], p.regen_fraction)}
         o, tally[ds] = subsets.original_sequences(
             st.cfg.run_dir, ds, set(seqs), tok, st.recipe["max_seq_len"]
         )

@@ -16,8 +16,8 @@ def _save(fig, res, name: str):
 
 
 def plot_curve(res):
-    """Measured tau per subset (log x: training tokens), the fit, its 95% bootstrap band out to the largest
-    multiplier, the projections with intervals and the chain limit."""
+    """Measured tau per subset (log x: training tokens; faint lines: per eval set), the fit, its 95% bootstrap
+    band out to the largest multiplier, the projections with intervals and the chain limit."""
     import matplotlib.pyplot as plt
 
     c, total = res.fit, res.total_tokens
@@ -31,7 +31,11 @@ def plot_curve(res):
         color="tab:blue",
         label=f"fit {c.fit.a:.2f} - {c.fit.b:.2f} x^-{c.fit.c:.2f}",
     )
-    ax.plot(c.x * total, c.tau, "ko", label="measured (held-out)")
+    for col in [k for k in res.curve.columns if k.startswith("tau_") and k != "tau_all"]:
+        ax.plot(
+            res.curve.tokens, res.curve[col], lw=0.8, alpha=0.45, marker="."
+        )  # one faint line per eval set
+    ax.plot(c.x * total, c.tau, "ko", label="measured, all eval sets (faint: per eval set)")
     for r in res.projections[res.projections.row == "projection"].itertuples():
         if r.multiplier > 1:
             ax.errorbar(

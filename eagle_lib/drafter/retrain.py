@@ -90,6 +90,8 @@ class Trainer:
         from transformers import AutoConfig
 
         self.p, self.shared = recipe, shared
+        if recipe.get("num_threads"):  # as 05: one thread each keeps busy shared cores from oversubscribing
+            torch.set_num_threads(recipe["num_threads"])
         self.device = device or models.pick_device(shared.device)
         tgt = models.resolve(shared.target)
         self.hf_config = AutoConfig.from_pretrained(tgt, trust_remote_code=shared.trust_remote_code)

@@ -1,0 +1,74 @@
+"""Stage 07 on the ci run: the curve, its fit and verdict recorded; tables re-derived from the raw sums; the
+full-data point reproduces 06's tau; original responses are the datasets' own."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from eagle_lib import report, store
+from eagle_lib.analysis import curve
+
+
+@pytest.fixture(scope="module")
+def val(ci_run):
+    nb = ci_run / "reports" / "07_data_value.ipynb"
+    return {"run": ci_run, "m": report.read_notebook_metrics(nb), "dir": ci_run / "value"}
+
+
+def test_recorded_numbers(val):
+    m = val["m"]
+    assert set(m["tau_by_fraction"]) == {"0.25", "0.5", "1"}
+    assert all(1.0 <= t <= 4.0 for t in m["tau_by_fraction"].values())
+    assert 1.0 <= m["fit"]["a"] <= m["fit"]["cap"] == 4.0 and m["fit"]["b"] >= 0
+    for k in ("2x", "4x", "10x"):
+        p = m["projected"][k]
+        assert p["lo"] <= p["tau"] <= p["hi"] <= 4.0
+    assert m["verdict_kind"] in ("data-limited", "saturated", "undetermined")
+    assert f"{m['projected']['2x']['tau']:.2f}" in m["verdict"]
+    assert set(m["lodo_value_all"]) == {"tools", "chat"} and m["short_response"][0].startswith("tools")
+    assert {"diff", "lo", "hi"} <= set(m["regen_minus_original"]) and m["regen_text"]
+    assert m["arms"]["1"]["drafter"] == "05's final drafter" and m["arms"]["0.25"]["steps"] == 15
+
+
+def test_tables_rederived_from_sums(val):
+    """curve.csv's taus and the fit are recomputed from sums.json (per prompt sums) independently."""
+    meta = store.read_json(val["dir"] / "meta.json")
+    store.check_tally(meta)
+    sums = store.read_json(val["dir"] / "sums.json")
+    cur = pd.read_csv(val["dir"] / "curve.csv")
+    assert len(sums) >= len(meta["arms"]) - 1  # the lodo reference is the 0.25 curve drafter (one entry)
+    taus = sorted(sum(num) / sum(den) for num, den in sums.values())
+    for t in cur.tau_all:
+        assert min(abs(t - x) for x in taus) < 1e-12
+    f = curve.fit_saturating(cur.tokens / cur.tokens.max(), cur.tau_all, cap=4.0)
+    assert val["m"]["fit"]["a"] == pytest.approx(f.a) and val["m"]["fit"]["c"] == pytest.approx(f.c)
+
+
+def test_full_data_point_reproduces_06(val):
+    """Same prompts, tokens and drafts as ci's 06: fraction 1.0 (05's drafter) must give 06's eagle3 tau."""
+    six = report.read_notebook_metrics(val["run"] / "reports" / "06_eval_acceptance.ipynb")
+    assert val["m"]["tau_by_fraction"]["1"] == pytest.approx(six["tau_eagle3"], abs=1e-9)
+
+
+def test_original_responses_are_the_raw_datasets(val):
+    """The 'original' arm's label text is the raw ShareGPT row's first gpt answer (read here with json)."""
+    from eagle_lib import models
+    from eagle_lib.data import subsets
+    from eagle_lib.params import SharedParams
+
+    run = val["run"]
+    ids = {str(r["id"]) for r in store.iter_jsonl(run / "infer/sharegpt/responses.jsonl")}
+    tok = models.load_tokenizer(SharedParams())
+    seqs, tally = subsets.original_sequences(run, "sharegpt", ids, tok, 1024)
+    assert seqs and tally["kept"] == len(seqs)
+    raw = models.resolve("toy://data/sharegpt")
+    rows = [json.loads(line) for line in open(raw)]
+    for s in seqs[:5]:
+        row = rows[int(s.id.split(":")[1]) - 1]
+        first_gpt = next(t["value"] for t in row["conversations"] if t["from"] == "gpt")
+        labels = tok.decode([t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
+        assert first_gpt.strip()[:40] in labels
+    regen = pd.read_csv(val["dir"] / "regen.csv")
+    assert list(regen["eval"])[-1] == "all" and np.isfinite(regen["diff"]).all()
