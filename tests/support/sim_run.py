@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -41,8 +42,8 @@ class SimRun:
         return {"tokens": float(f.completion.sum()), "share_at_limit": float((f.status == 1).mean())}
 
 
-def simulate(name: str, seed: int, scale: float = 1.0) -> SimRun:
-    """Simulate one dataset of MIXTURE (its prompt count times `scale`) on SERVER_RATES x CONCURRENCY slots."""
+def simulate(name: str, seed: int, scale: float = 1.0, concurrency: int = CONCURRENCY) -> SimRun:
+    """Simulate one dataset of MIXTURE (its prompt count times `scale`) on SERVER_RATES x concurrency slots."""
     n, median, sigma = MIXTURE[name]
     n = int(n * scale)
     rng = np.random.default_rng(seed)
@@ -50,7 +51,7 @@ def simulate(name: str, seed: int, scale: float = 1.0) -> SimRun:
     length = np.minimum(np.maximum(np.rint(uncut), 1), LIMIT).astype(np.int64)
     status = np.where(uncut >= LIMIT, 1, 0).astype(np.int8)
     prompt = rng.lognormal(np.log(800), 0.8, n)
-    server_of_slot = [s for s in range(len(SERVER_RATES)) for _ in range(CONCURRENCY)]
+    server_of_slot = [s for s in range(len(SERVER_RATES)) for _ in range(concurrency)]
     slots = [(0.0, j) for j in range(len(server_of_slot))]  # (free at, slot)
     heapq.heapify(slots)
     start, end, server = np.empty(n), np.empty(n), np.empty(n, np.int64)
@@ -67,3 +68,23 @@ def simulate(name: str, seed: int, scale: float = 1.0) -> SimRun:
         length, status, start, end, server, empty, empty.astype(np.int64), LIMIT, n, float(end.max())
     )
     return SimRun(name, final)
+
+
+def write_files(run_dir: Path, name: str, state: RunState) -> None:
+    """The files 03 would have written by `state.as_of`: responses (finish order) and the ledger (start order)."""
+    from eagle_lib import store
+
+    ds, order = run_dir / "infer" / name, np.argsort(state.end, kind="stable")
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": state.limit, "seed": 0}
+    store.append_jsonl(ds / "responses.jsonl", [
+        {"id": f"{name}-{i}", "prompt_ids": [1] * 8, "output_ids": [7] * int(state.completion[i]),
+         "finish_reason": "length" if state.status[i] == 1 else "stop", "n_prompt_tokens": 8,
+         "n_output_tokens": int(state.completion[i]), "sampling": sampling, "server": f"s{state.server[i]}",
+         "latency_s": float(state.end[i] - state.start[i]), "finished_at": float(state.end[i])}
+        for i in order], fsync=False)  # fmt: skip
+    starts = [(t, f"{name}-{i}", s) for i, (t, s) in enumerate(zip(state.start, state.server, strict=True))]
+    starts += [
+        (t, f"{name}-run{j}", s) for j, (t, s) in enumerate(zip(state.in_start, state.in_server, strict=True))
+    ]
+    store.append_jsonl(ds / "started.jsonl", [{"id": i, "t": float(t), "server": f"s{s}"} for t, i, s in sorted(starts)],
+                       fsync=False)  # fmt: skip

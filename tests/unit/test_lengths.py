@@ -456,3 +456,52 @@ def test_empty_history_thinking_does_not_make_a_reasoning_sample():
     ls.add(*lengths_scan.scan_record(dumps(a_record(0, ids, mask), "compact"), TOK)[2:])
     row = lengths.dataset_row(ls, Params())
     assert (row["reasoning_tokens"], row["share_think_closed"], row["share_reasoning"]) == (6, 1.0, 0.0)
+
+
+# ---------------------------------------------------------------- mid-run, from the files (issue 16)
+
+
+def test_mid_run_files_with_a_ledger_give_censored_estimates_that_cover_the_final(tmp_path):
+    """A simulated run's files cut at 40% (responses + ledger, no 03 meta): 04 reads the in-flight requests from
+    the ledger, its interval holds the final total where the finished-only one does not, truncation warns."""
+    from tests.support.sim_run import simulate, write_files
+
+    run = simulate("reasoning", seed=3, scale=0.03, concurrency=8)  # 240 prompts, 32 in flight at a time
+    snap = run.snapshot(0.4)
+    write_files(tmp_path, "reasoning", snap)
+    store.write_json(
+        tmp_path / "data/B/reasoning/meta.json", {"read": 240, "kept": 240, "dropped": {}, "rejected": 0}
+    )
+    shared = params.SharedParams(max_new_tokens=snap.limit, num_workers=1)
+    p = Params(end_of_thinking_token="", bootstrap_reps=400, timeline_points=4)
+    res = lengths.run(params.StageConfig("04_length_analysis", tmp_path, shared, p))
+    row = res.projection.set_index(["dataset", "tokens"]).loc[("reasoning", "completion")]
+    final = run.truth["tokens"]
+    assert (row.method, row.in_flight, row.completed) == (
+        "censored",
+        snap.in_start.size,
+        snap.completion.size,
+    )
+    assert row.lo <= final <= row.hi and not row.naive_lo <= final <= row.naive_hi
+    trunc = res.verdicts.set_index("check").loc["truncation"]
+    assert trunc.level == "warn" and "raise max_new_tokens" in trunc.message and "in flight" in trunc.message
+    lo, hi = res.estimates["reasoning"]["share_at_limit"][1:]
+    assert lo <= run.truth["share_at_limit"] <= hi
+    tl = res.timeline
+    assert len(tl) == 4 and tl.tokens_est.iloc[-1] == pytest.approx(row.projected, rel=0.02)
+    assert (
+        "run in progress" in res.answer_text
+        and f"{int(snap.in_start.size)} responses in flight" in res.answer_text
+    )
+    assert (tmp_path / "analysis/timeline.csv").exists() and (
+        tmp_path / "analysis/plots/timeline.png"
+    ).exists()
+
+
+def test_an_old_run_without_a_ledger_is_read_as_before_with_a_warning(tmp_path):
+    make_run(tmp_path, n_b=60, planned=120)
+    res = lengths.run(params.StageConfig("04_length_analysis", tmp_path, params.SharedParams(num_workers=1),
+                                         Params(end_of_thinking_id=THINK, bootstrap_reps=200)))  # fmt: skip
+    proj = res.projection[res.projection.tokens == "completion"]
+    assert set(proj.method[proj.kind == "B"]) == {"finished only"}
+    assert "no_ledger" in set(res.verdicts.check) and res.timeline.empty
