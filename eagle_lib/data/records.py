@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,10 @@ from typing import Any
 
 from eagle_lib import models, params, store
 from eagle_lib.data import chat, formats
+
+# tqdm.auto, imported by transformers / datasets, warns on stderr in a kernel without ipywidgets: noise in the
+# executed 01/02 reports (their progress bars are off anyway)
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 
 def unique_names(datasets: list) -> list:
@@ -301,9 +306,8 @@ def rejects_sample(cfg: params.StageConfig, kind: str, per_dataset: int = 3):
             if k >= per_dataset:
                 break
             at = f"line {rec['line']}" if "line" in rec else f"row {rec.get('row')}"
-            rows.append(
-                {"dataset": path.parent.name, "file": rec.get("file"), "at": at, "reason": rec.get("reason")}
-            )
+            file = Path(str(rec.get("file"))).name  # the full path is in rejects.jsonl; the name answers "where"
+            rows.append({"dataset": path.parent.name, "file": file, "at": at, "reason": rec.get("reason")})
     return pd.DataFrame(rows)
 
 

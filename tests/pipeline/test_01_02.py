@@ -111,3 +111,23 @@ def test_reports_show_the_final_tally(ci_run, stage, kind):
     tally = [c for c in nb["cells"] if "tally_table" in "".join(c["source"])][0]
     text = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in tally["outputs"])
     assert "TOTAL" in text and all(n in text for n in meta["datasets"])
+    answer = [c for c in nb["cells"] if ".answer(meta)" in "".join(c["source"])][0]
+    shown = "".join("".join(o.get("data", {}).get("text/markdown", "")) for o in answer["outputs"])
+    lead = (
+        f"**{meta['kept']:,} of {meta['read']:,} A records kept**"
+        if kind == "A"
+        else (f"**{meta['kept']:,} prompts kept from {meta['read']:,} B rows**")
+    )
+    assert shown.startswith(lead)  # the report opens with its answer, numbers generated from the meta
+    stderr = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("name") == "stderr"]
+    assert not stderr, f"{stage}: stderr in the report: {stderr[0]['text'][:200]}"
+
+
+def test_01_report_shows_how_every_record_was_masked(ci_run):
+    meta = read_json(ci_run / "data" / "A" / "meta.json")
+    for name, m in meta["datasets"].items():
+        assert sum(m["masked_by"].values()) == m["kept"], name  # scan + verified fallback + pretokenized
+    nb = json.loads((ci_run / "reports" / "01_prepare_A.ipynb").read_text())
+    cell = [c for c in nb["cells"] if "masking_table" in "".join(c["source"])][0]
+    text = "".join("".join(o.get("data", {}).get("text/plain", "")) for o in cell["outputs"])
+    assert "verified_fallback" in text and all(n in text for n in meta["datasets"])
