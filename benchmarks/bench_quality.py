@@ -1,7 +1,7 @@
 """Drafter quality at equal budget: our stage-05 drafter vs speculators 0.9's Eagle3DraftModel, both by decoding.
 
 Both train on the same toy run's training sequences (``--run-dir``, stages 01-03 done), in the same micro-batches
-(our `BatchStream`, one packed row of ``--pack-len`` tokens per step), with the same hidden states (the toy
+(our `BatchStream`: ``--rows`` packed rows of ``--pack-len`` tokens per step, which speculators reads as one row), with the same hidden states (the toy
 target's aux-layer outputs, computed on each side from the same target weights), the same number of steps and the
 same optimizer and learning-rate schedule (AdamW, linear warmup then cosine to ``lr * min_lr_ratio``, grad clip),
 the same draft vocab map (ours, from the label-token counts) and the same initialisation from the target
@@ -183,7 +183,7 @@ def _stage_config(run_dir: Path, work: Path, a, preset: str):
         learning_rate=a.lr,
         warmup_steps=a.warmup,
         min_lr_ratio=a.min_lr_ratio,
-        rows_per_batch=1,
+        rows_per_batch=a.rows,
         pack_len=a.pack_len,
         max_seq_len=min(a.pack_len, stage.get("max_seq_len", 1024)),
         measure_every=0,
@@ -240,7 +240,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-2, help="peak LR of both sides (the toy recipe's)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--pack-len", type=int, default=2048)
+    ap.add_argument("--pack-len", type=int, default=1024)
+    ap.add_argument(
+        "--rows", type=int, default=2, help="packed rows per step (speculators: one row of them all)"
+    )
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts decoded per side")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
@@ -319,7 +322,7 @@ def main() -> None:
     )
     ratio = t_ours["tau"] / t_theirs["tau"]
     print(
-        f"{a.steps} steps, k={a.k}, lr {a.lr}, {a.pack_len}-token rows; tau at {a.drafts} drafts on "
+        f"{a.steps} steps, k={a.k}, lr {a.lr}, {a.rows} x {a.pack_len}-token rows; tau at {a.drafts} drafts on "
         f"{t_ours['prompts']} held-out prompts x {a.new_tokens} tokens (greedy, offline decoder)"
     )
     print(

@@ -320,7 +320,7 @@ def build(cfg: params.StageConfig, device):
 
 def train(cfg: params.StageConfig) -> dict:
     """The stage body (one process of a torchrun job, or the only one)."""
-    p, out, t_start = cfg.stage, cfg.out("drafter"), time.time()
+    p, out, t_start, cpu_start = cfg.stage, cfg.out("drafter"), time.time(), time.process_time()
     if p.num_threads:
         torch.set_num_threads(p.num_threads)
     device = distributed.init(models.pick_device(cfg.shared.device))
@@ -356,6 +356,7 @@ def train(cfg: params.StageConfig) -> dict:
     if hasattr(source, "summary"):  # vllm: bytes/token, peak buffer, producer vs trainer throughput
         summary["hidden"] = source.summary()
     summary["measured"] = measure.summary(history, chosen, why_not, p)
+    summary["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: load-independent on CPU
     _finish(cfg, model, drafter.config, summary, tally, t_start)
     distributed.shutdown()
     return summary

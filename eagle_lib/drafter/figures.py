@@ -134,6 +134,11 @@ def answer(summary: dict):
     return Markdown(f"**{answer_text(summary)}**")
 
 
+def _cpu(summary: dict) -> str:
+    """ ", 4.1 CPU-min" when the summary has this process's CPU time (the load-independent cost on CPU)."""
+    return f", {summary['cpu_s'] / 60:.1f} CPU-min" if summary.get("cpu_s") else ""
+
+
 def answer_text(summary: dict) -> str:
     """The report's first sentence: held-out acc_0, measured tau and the budget it took."""
     if "stopped_at_step" in summary:
@@ -148,7 +153,7 @@ def answer_text(summary: dict) -> str:
         minutes = m["elapsed_s"] / 60
         tau = (
             f"measured tau {m['final_tau']:.2f} at {m['drafts']} drafts after {summary['steps']} steps "
-            f"({minutes:.1f} min; best {m['best_tau']:.2f} at step {m['best_step']}, "
+            f"({minutes:.1f} min wall{_cpu(summary)}; best {m['best_tau']:.2f} at step {m['best_step']}, "
             f"final weights from step {m['final_weights_step']})"
         )
     else:

@@ -156,6 +156,7 @@ def test_report_answer_and_gap_table_state_the_numbers():
 
     summary = {
         "steps": 80,
+        "cpu_s": 246.0,
         "heldout": {"acc": [0.66, 0.5], "cond_acc": [0.66, 0.7]},
         "vocab": {"majority_share": 0.05, "coverage": 0.98},
         "measured": {
@@ -171,7 +172,7 @@ def test_report_answer_and_gap_table_state_the_numbers():
     text = figures.answer_text(summary)
     assert (
         text.startswith("Held-out acc_0 0.66")
-        and "measured tau 3.10 at 3 drafts after 80 steps (4.9 min" in text
+        and "measured tau 3.10 at 3 drafts after 80 steps (4.9 min wall, 4.1 CPU-min;" in text
     )
     gap = figures.gap_table(summary)
     assert gap["measured_cond_acc"].round(3).tolist() == [0.9, 0.8, 0.75]
