@@ -4,7 +4,9 @@
 
 Writes a run directory of synthetic responses (several datasets, real record layout: prompt_ids, output_ids
 with Kimi-sized ids and the end-of-thinking id, text, finish_reason, sampling) and a data/B meta.json planning
-25% more samples than were generated (so the projection runs). Then, each in a fresh process:
+25% more samples than were generated (so the projection runs), plus 03's ledger of started requests (every
+response's start and 2% more still in flight), so the censoring-aware projection runs too (--no-ledger: as a run
+made before 03 kept one). Then, each in a fresh process:
 - eagle_lib.lengths.run on everything (tables, projection, verdicts, plots): wall time and peak RSS;
 - pandas.read_json(lines=True, chunksize) on the first --baseline-records lines of one dataset, computing the
   same statistics; its time is also scaled to the full record count (printed as such);
@@ -56,8 +58,18 @@ def _pool(rng: np.random.Generator, mu: float, sigma: float, size: int = 400) ->
     return bodies
 
 
-def write_run(run_dir: Path, records: int, seed: int = 0) -> int:
-    """Synthetic responses split over DATASETS; returns the bytes written."""
+def write_ledger(path: Path, name: str, n: int) -> None:
+    """03's started.jsonl: one start per response (1 ms apart), then 2% more requests still in flight."""
+    with open(path, "wb") as f:
+        for lo in range(0, n, 50_000):
+            f.write(b"".join(b'{"id":"%s-%d","t":%.3f,"server":"s%d"}\n' % (name.encode(), i, 1.7e9 + i / 1000, i % 4)
+                             for i in range(lo, min(n, lo + 50_000))))  # fmt: skip
+        f.write(b"".join(b'{"id":"%s-run%d","t":%.3f,"server":"s%d"}\n' % (name.encode(), k, 1.7e9 + n / 1000, k % 4)
+                         for k in range(n // 50)))  # fmt: skip
+
+
+def write_run(run_dir: Path, records: int, seed: int = 0, ledger: bool = True) -> int:
+    """Synthetic responses split over DATASETS (and their ledgers); returns the bytes of responses written."""
     rng = np.random.default_rng(seed)
     total = 0
     for i, (name, (mu, sigma)) in enumerate(DATASETS.items()):
@@ -72,6 +84,8 @@ def write_run(run_dir: Path, records: int, seed: int = 0) -> int:
                     b'{"id":"%s-%d",' % (name.encode(), lo + k) + pool[j] for k, j in enumerate(picks)
                 )
                 total += f.write(buf)
+        if ledger:
+            write_ledger(path.parent / "started.jsonl", name, n)
         meta = run_dir / "data" / "B" / name / "meta.json"
         meta.parent.mkdir(parents=True, exist_ok=True)
         meta.write_text(json.dumps({"read": n * 5 // 4, "kept": n * 5 // 4, "dropped": {}, "rejected": 0}))
@@ -95,8 +109,9 @@ from pathlib import Path
 t0 = time.time()
 from eagle_lib import lengths, params
 workers = int(sys.argv[2])
-cfg = params.StageConfig("04_length_analysis", Path(sys.argv[1]), params.SharedParams(num_workers=workers),
-                         lengths.Params(end_of_thinking_id=THINK_ID, max_new_tokens=LIMIT))
+cfg = params.StageConfig("04_length_analysis", Path(sys.argv[1]),
+                         params.SharedParams(num_workers=workers, max_new_tokens=LIMIT),
+                         lengths.Params(end_of_thinking_id=THINK_ID))
 r = lengths.run(cfg)
 c = r.completion.set_index("dataset")
 ru, ch = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -152,17 +167,19 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=1_000_000)
     ap.add_argument("--baseline-records", type=int, default=100_000)
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed after)")
+    ap.add_argument("--no-ledger", action="store_true", help="no 03 ledger: the finished-only projection")
+    ap.add_argument("--workers", default="1,2", help="process counts to time, e.g. 1")
     args = ap.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_lengths_"))
     try:
         t0 = time.time()
-        size = write_run(work / "run", args.records)
+        size = write_run(work / "run", args.records, ledger=not args.no_ledger)
         print(
             f"wrote {args.records:,} responses in {len(DATASETS)} datasets, {size / 1e9:.2f} GB, in "
             f"{time.time() - t0:.0f} s. Target: <= 60 s, <= 2048 MB. Load average {os.getloadavg()[0]:.1f} on "
             f"{os.cpu_count()} CPUs (wall time grows with other users' load; CPU time does not)"
         )
-        for workers in (1, 2):
+        for workers in map(int, args.workers.split(",")):
             _ours("all", _child(OURS, work / "run", workers), size, workers)
         src = work / "run" / "infer" / "reasoning" / "responses.jsonl"
         prefix = work / "prefix" / "infer" / "reasoning" / "responses.jsonl"

@@ -144,7 +144,7 @@ def _tails(km: KM, c: np.ndarray) -> dict:
     }  # fmt: skip
 
 
-def _predict(km: KM, c_in: np.ndarray, m: int, base: dict, where: str, short: int) -> dict:
+def _predict(km: KM, c_in: np.ndarray, n_in: np.ndarray, m: int, base: dict, where: str, short: int) -> dict:
     """Predictive draws of the final (tokens, at-limit count, short count) under the tail placed `where`."""
     at = np.maximum(km.last, c_in[None, :]) if where == "low" else np.full((1, c_in.size), km.limit)
     t_all = km.tail[:, None]
@@ -160,10 +160,10 @@ def _predict(km: KM, c_in: np.ndarray, m: int, base: dict, where: str, short: in
         c_var = np.where(s0 > 0, (tl["m2"] + t_all * at**2) / s0 - c_mean**2, 0.0)
         c_lim = np.where(s0 > 0, (tl["lim"] + (t_all if where == "high" else 0.0)) / s0, 0.0)
     var = np.maximum(second - mean**2, 0.0)
-    tok_mu = base["tokens"] + c_mean.sum(1) + m * mean
-    tok_sd = np.sqrt(np.maximum(c_var, 0).sum(1) + m * var)
-    lim_mu = base["at_limit"] + c_lim.sum(1) + m * p_lim
-    lim_sd = np.sqrt((c_lim * (1 - c_lim)).sum(1) + m * p_lim * (1 - p_lim))
+    tok_mu = base["tokens"] + c_mean @ n_in + m * mean  # n_in (k,): in-flight requests per distinct bound
+    tok_sd = np.sqrt(np.maximum(c_var, 0) @ n_in + m * var)
+    lim_mu = base["at_limit"] + c_lim @ n_in + m * p_lim
+    lim_sd = np.sqrt((c_lim * (1 - c_lim)) @ n_in + m * p_lim * (1 - p_lim))
     return {"tokens": (tok_mu, tok_sd), "at_limit": (lim_mu, lim_sd), "mean": mean, "p_limit": p_lim,
             "p_short": p_short}  # fmt: skip
 
@@ -198,11 +198,13 @@ def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 
     c_fin, c_in = censor_points(s, quantile)
     values, kinds, counts = groups(s, c_fin, c_in)
     c_typ = np.maximum(censor_points(s, typical)[1], c_in)  # what an in-flight request has typically produced
+    step = max(1, s.limit // 2048)  # in-flight bounds on the groups' grid (floored: still lower bounds)
+    c_typ, n_typ = np.unique(c_typ // step * step, return_counts=True)  # (R, distinct) arrays, not (R, k)
     w = rng.multinomial(n + k, counts / counts.sum(), size=reps).astype(np.float64)  # (R, G)
     km = kaplan_meier(values, kinds, w, s.limit)
     draws = {}
     for where in ("low", "high"):
-        p = _predict(km, c_typ, m, base, where, short)
+        p = _predict(km, c_typ, n_typ.astype(np.float64), m, base, where, short)
         z = rng.standard_normal((2, reps))
         draws[where] = {
             "tokens": np.maximum(p["tokens"][0] + p["tokens"][1] * z[0], base["tokens"]),
