@@ -30,6 +30,9 @@ from eagle_lib.drafter import batches, checkpoints, distributed, measure, ttt, v
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_state
 
 STAGE = "05_train_eagle3"
+# tqdm.auto (imported by transformers / huggingface_hub while the target loads) warns on stderr in a kernel without
+# ipywidgets: noise in the executed 05 report
+warnings.filterwarnings("ignore", message="IProgress not found")
 # settings that do not change the trained weights (may differ on resume)
 _NOT_IN_FINGERPRINT = {
     "checkpoint_every",
