@@ -5,7 +5,8 @@ On 84-message SWE-agent-style conversations (the toy world's SWE generator), mea
     locate assistant turns + tokenize once + mask from offsets);
   - from messages: HF apply_chat_template(tokenize=True) (render + ids, no mask) vs ChatEncoder.encode (render +
     ids + mask) vs the per-turn method (SpecForge-style: for every assistant turn re-render and re-tokenize the
-    prefix before it and through it; O(turns x length)).
+    prefix before it and through it; O(turns x length)) vs the verified fallback forced on every conversation
+    (what a record costs when the one-pass scan cannot verify it).
 Prints throughput ratios (targets: masked >= 0.8x raw, encode >= 10x per-turn) and the encode cost per token for
 conversations of 2..84 messages, absolute and relative to the raw tokenizer on the same text (target: flat).
 
@@ -21,7 +22,7 @@ import time
 from transformers import AutoTokenizer
 
 from eagle_lib import models
-from eagle_lib.data import chat
+from eagle_lib.data import chat, chat_spans
 from eagle_lib.toy import swe
 
 
@@ -102,11 +103,18 @@ def main() -> None:
         reset,
     )
     t |= race(
-        {"per-turn prefix re-encoding: render + mask": lambda: [prefix_method(tok, c) for c in convs]},
+        {
+            "per-turn prefix re-encoding: render + mask": lambda: [prefix_method(tok, c) for c in convs],
+            # what a record the scan cannot verify costs: one sentinel re-render per message + history renders
+            "verified fallback (forced): spans + mask": lambda: [
+                enc._tokenize_masked(x, chat_spans.verified_spans(enc, c, None, x))
+                for x, c in zip(texts, convs, strict=True)
+            ],
+        },
         2,
         reset,
     )
-    raw, masked, hf, one, prefix = t.values()
+    raw, masked, hf, one, prefix, fallback = t.values()
 
     print(
         f"{len(convs)} conversations x 84 messages, {n_tokens} tokens ({n_tokens // len(convs)} per conversation)"
@@ -117,6 +125,7 @@ def main() -> None:
     print(f"ratio masked / raw throughput (same text):     {raw / masked:6.2f}x   (target >= 0.8)")
     print(f"ratio encode / apply_chat_template throughput: {hf / one:6.2f}x")
     print(f"ratio encode / per-turn prefix throughput:     {prefix / one:6.2f}x   (target >= 10)")
+    print(f"ratio verified fallback / per-turn prefix:     {prefix / fallback:6.2f}x   (the rare slow path)")
 
     # 2 .. 84 messages (the issue, then agent steps, user / assistant alternating; no system prompt). The text
     # itself changes with length (later file listings tokenize slower per token, even for the bare tokenizer),
