@@ -95,6 +95,18 @@ def ranked(lodo: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values("value_all", ascending=False, ignore_index=True) if len(df) else df
 
 
+def recommendation(rank: pd.DataFrame) -> str:
+    """Which data to generate next: the units with a measurable positive value on all eval sets, best first."""
+    good = rank[(rank.lo > 0) & rank.value_all.notna()]
+    rest = [u for u in rank.unit if u not in set(good.unit)]
+    if not len(good):
+        return f"no unit measurably raises tau on all eval sets at this budget ({', '.join(rest)})"
+    first = ", ".join(f"{r.unit} ({r.value_all:+.3f} [{r.lo:+.3f}, {r.hi:+.3f}])" for r in good.itertuples())
+    return f"generate more of {first} first" + (
+        f"; no measurable gain from {', '.join(rest)}" if rest else ""
+    )
+
+
 def pair_table(st, a: str, b: str, p) -> pd.DataFrame:
     """Per eval set: tau of arm a and b and a - b with its paired interval."""
     s, rows = st.decoder.sums, []
@@ -147,6 +159,7 @@ def result(st, curve_df, c: curves.Curve, lodo: pd.DataFrame, regen: pd.DataFram
             "hi": t["hi"] * st.total,
             "p_reach": t["p_reach"],
         },  # fmt: skip
+        "steps_rule": p.steps,  # proportional: every subset at the 05 epochs (tokens and compute grow together)
         "verdict": v["text"],
         "verdict_kind": v["kind"],
         "gain_2x": v["gain_2x"],
@@ -159,6 +172,7 @@ def result(st, curve_df, c: curves.Curve, lodo: pd.DataFrame, regen: pd.DataFram
             r.unit: {"value": r.value_all, "lo": r.lo, "hi": r.hi} for r in rank.itertuples()
         }
         h["lodo_ranking"] = [r.text for r in rank.itertuples()]
+        h["next_data"] = recommendation(rank)
         h["short_response"] = [
             f"{r.unit} (short responses): {r.overall}; {r.text}"
             for r in rank.itertuples()
