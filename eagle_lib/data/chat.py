@@ -24,11 +24,12 @@ How spans are found (:attr:`Encoded.method`):
 
 Boundary tokens: a token is trained only when ALL its characters lie inside one trained span; a token that
 straddles a span boundary (a BPE merge of a header's trailing space with the first content characters) is
-excluded (mask 0). Fast tokenizers take token character ranges from their offsets; tokenizers without offsets
-(slow / tiktoken ones such as Kimi-K2.5's) from decoding the token ids back, token by token (tokens splitting one
-character share its range, as fast offsets do), and the same rule applies, so both kinds take the same decision.
-When decoding does not reproduce the text (a tokenizer whose decode is not exact), the text is tokenized cut
-at span boundaries and the record is rejected unless the pieces concatenate to the whole text's tokenization.
+excluded (mask 0). Fast tokenizers take token character ranges from their offsets. Tokenizers without offsets
+(slow / tiktoken ones such as Kimi-K2.5's) tokenize the text cut at span boundaries: when the pieces concatenate
+to the whole text's tokenization no token crosses a boundary (the fast path's mask); otherwise the ranges come
+from decoding the whole text's ids token by token (tokens spelling one character share its range, as fast
+offsets do) and the same rule applies, so both kinds take the same decision; a tokenizer whose decode does not
+reproduce the text then rejects the record.
 """
 
 from __future__ import annotations
@@ -179,21 +180,31 @@ class ChatEncoder:
         return ids, mask
 
     def _tokenize_slow(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        """Tokenizers without offsets: character ranges from decoding the ids (the fast path's rule applies)."""
-        ids = self.tok.encode(text, add_special_tokens=False)
-        offsets = decoded_offsets(self.tok, ids, text)
+        """Tokenizers without offsets: the text cut at span boundaries, tokenized piece by piece; when the pieces
+        concatenate to the whole text's tokenization, no token crosses a boundary and the mask is the fast path's.
+        Otherwise character ranges come from decoding the ids and the fast path's rule excludes the crossing
+        tokens (rejected when decoding is not exact)."""
+        ids, mask = self._tokenize_pieces(text, spans)
+        if not self.verify_pieces:
+            return ids, mask
+        whole = self.tok.encode(text, add_special_tokens=False)
+        if ids == whole:
+            return ids, mask
+        offsets = decoded_offsets(self.tok, whole, text)
         if offsets is None:
-            return self._tokenize_pieces(text, spans)
-        mask, k = [0] * len(ids), 0
+            raise ChatError(
+                "a token crosses a mask boundary and decoding gives no character ranges to exclude it"
+            )
+        mask, k = [0] * len(whole), 0
         for t, (s, e) in enumerate(offsets):
             while k < len(spans) and spans[k][1] <= s:
                 k += 1
             if k < len(spans) and spans[k][0] <= s and e <= spans[k][1] and s < e:
                 mask[t] = 1
-        return ids, mask
+        return whole, mask
 
     def _tokenize_pieces(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        """Decoding is not exact: tokenize the text cut at span boundaries, check against the whole."""
+        """The text cut at span boundaries, each piece tokenized alone (pieces inside spans masked 1)."""
         ids: list[int] = []
         mask: list[int] = []
         pos = 0
@@ -204,8 +215,6 @@ class ChatEncoder:
                     ids += part
                     mask += [bit] * len(part)
             pos = b
-        if self.verify_pieces and ids != self.tok.encode(text, add_special_tokens=False):
-            raise ChatError("a token crosses a mask boundary (pieces do not concatenate to the whole text)")
         return ids, mask
 
 

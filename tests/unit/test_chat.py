@@ -355,11 +355,17 @@ def test_template_without_chat_template_is_an_error(chatml):
         chat.ChatEncoder(tok)
 
 
-def test_pieces_path_detects_a_token_across_the_boundary(chatml):
-    """With a boundary inside a BPE merge, the pieces differ from the whole text: an error, never a wrong mask."""
-    enc = chat.ChatEncoder(T.SlowTokenizer(chatml))
+def test_slow_path_excludes_a_token_across_the_boundary_like_the_fast_path(chatml):
+    """A span boundary inside a BPE merge: the slow path excludes the crossing tokens exactly as the fast one;
+    with a decode that cannot give character ranges, it rejects instead of guessing."""
+    fast, slow = chat.ChatEncoder(chatml), chat.ChatEncoder(T.SlowTokenizer(chatml))
+    spans = [(3, 8)]  # "hel|lo wo|rld"
+    assert slow._tokenize_masked("hello world", spans) == fast._tokenize_masked("hello world", spans)
+    assert 0 in fast._tokenize_masked("hello world", spans)[1]
+    broken = T.SlowTokenizer(chatml)
+    broken.decode = lambda ids, **kw: "?"
     with pytest.raises(chat.ChatError, match="crosses a mask boundary"):
-        enc._tokenize_pieces("hello world", [(3, 8)])
+        chat.ChatEncoder(broken)._tokenize_masked("hello world", spans)
 
 
 def test_slow_tokenizer_whose_decode_is_not_exact_uses_checked_pieces(kimi):
