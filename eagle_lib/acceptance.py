@@ -230,8 +230,9 @@ def decode_offline(
     }
     for temp in sorted(p.temperatures):
         todo = methods if temp == 0 else [m for m in methods if m in p.sampled_methods]
+        cap = p.sampled_max_prompts if temp > 0 and p.sampled_max_prompts else None
         for ds, ps in prompts.items():
-            for pr in ps:
+            for pr in ps[:cap]:
                 ref = None
                 for m in todo:
                     prop = proposer_for(m, p, drafter, sampler_for(p, temp, seed, pr, "draft"))

@@ -27,6 +27,47 @@ COLLAPSED_TAU = 1.1  # below this the server accepts almost no drafts
 PROBE_TEXT = "Write a short Python function that adds two numbers, then explain it in one sentence."
 
 
+# --- online tau against offline tau -----------------------------------------------------------------------
+COLLAPSE_CAUSES = [
+    "SGLang started with --speculative-algorithm EAGLE instead of EAGLE3: fc and the aux layers are dropped, "
+    "the drafter sees a 1 x hidden feature",
+    "vLLM --speculative-config with method 'eagle' instead of 'eagle3'",
+    "aux layer ids in the other engine's convention (SGLang eagle_config ids are layer outputs, vLLM's "
+    "top-level ids are HF hidden_states indices = +1): the drafter reads the wrong layers",
+    "vocab map not applied (d2t missing or for another vocab): drafts land on the wrong target ids",
+    "drafter trained for another target, tokenizer or chat template than the server's",
+    "speculators config without norm_before_residual: false (vLLM then assumes true)",
+    "requests sampled with temperature > 0 or penalties while tau was measured greedily offline",
+]
+
+
+def _verdict(verdict: str, message: str, causes: list[str] | None = None) -> dict:
+    return {"verdict": verdict, "message": message, "causes": causes or []}
+
+
+def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: float = 0.2) -> dict:
+    """Compare online with offline tau: verdict agree | lower | higher | collapsed | online_only | no_online,
+    a message, and the likely causes when the server accepts less."""
+    if online_tau is None or online_tau != online_tau:
+        return _verdict("no_online", "no online acceptance measured")
+    off = "" if offline_tau is None else f" while offline tau is {offline_tau:.2f}"
+    if online_tau < 1.1 and (offline_tau is None or offline_tau > 1.3):
+        msg = f"online tau {online_tau:.2f} ~ 1.0{off}: the server accepts almost no drafts"
+        return _verdict("collapsed", msg, COLLAPSE_CAUSES)
+    if offline_tau is None:
+        return _verdict("online_only", f"online tau {online_tau:.2f} (no offline tau)")
+    gap = online_tau - offline_tau
+    if abs(gap) <= tolerance:
+        return _verdict(
+            "agree", f"online tau {online_tau:.2f} agrees with offline {offline_tau:.2f} (±{tolerance})"
+        )
+    verdict = "lower" if gap < 0 else "higher"
+    msg = f"online tau {online_tau:.2f} is {verdict} than offline {offline_tau:.2f} by {abs(gap):.2f}"
+    causes = COLLAPSE_CAUSES[2:] + ["bf16/fp16 serving vs fp32 offline (near-ties flip)", "different prompts"]
+    return _verdict(verdict, msg, causes if gap < 0 else ["different prompts or stopping rules"])
+
+
+# --- the server's own account of its settings --------------------------------------------------------------
 def _method_check(out: list[Check], name: str, got: str | None, want: str, eagle: str) -> None:
     ok = str(got or "").lower() == want.lower()
     bad = f"{got!r}: must be {want!r}"

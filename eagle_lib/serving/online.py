@@ -181,7 +181,7 @@ def compare(
     drafts accepted past the stop token); SGLang's (tokens / verify steps) beside the offline tokens per step."""
     import pandas as pd
 
-    from eagle_lib.serving.preflight import diagnose
+    from eagle_lib.serving.live import diagnose
 
     col = "tau_uncut" if engine == "vllm" else "tokens_per_step"
     eos, rows = set(eos_ids), []

@@ -6,6 +6,10 @@ aux layer ids outside the target (or in the other engine's convention), vLLM's d
 ``norm_before_residual: true`` applied to a drafter trained without it. Prints the exact launch commands.
 
     python -m eagle_lib.serving.preflight DRAFTER_DIR --target TARGET [--sglang-cmd "..."] [--vllm-spec JSON]
+        [--server URL --engine vllm|sglang]
+
+``--server`` also checks the running server's own account of its speculative settings
+(:mod:`eagle_lib.serving.live`, over :mod:`eagle_lib.engines.client`).
 """
 
 from __future__ import annotations
@@ -355,45 +359,6 @@ def preflight(
     return rep
 
 
-COLLAPSE_CAUSES = [
-    "SGLang started with --speculative-algorithm EAGLE instead of EAGLE3: fc and the aux layers are dropped, "
-    "the drafter sees a 1 x hidden feature",
-    "vLLM --speculative-config with method 'eagle' instead of 'eagle3'",
-    "aux layer ids in the other engine's convention (SGLang eagle_config ids are layer outputs, vLLM's "
-    "top-level ids are HF hidden_states indices = +1): the drafter reads the wrong layers",
-    "vocab map not applied (d2t missing or for another vocab): drafts land on the wrong target ids",
-    "drafter trained for another target, tokenizer or chat template than the server's",
-    "speculators config without norm_before_residual: false (vLLM then assumes true)",
-    "requests sampled with temperature > 0 or penalties while tau was measured greedily offline",
-]
-
-
-def _verdict(verdict: str, message: str, causes: list[str] | None = None) -> dict:
-    return {"verdict": verdict, "message": message, "causes": causes or []}
-
-
-def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: float = 0.2) -> dict:
-    """Compare online with offline tau: verdict agree | lower | higher | collapsed | online_only | no_online,
-    a message, and the likely causes when the server accepts less."""
-    if online_tau is None or online_tau != online_tau:
-        return _verdict("no_online", "no online acceptance measured")
-    off = "" if offline_tau is None else f" while offline tau is {offline_tau:.2f}"
-    if online_tau < 1.1 and (offline_tau is None or offline_tau > 1.3):
-        msg = f"online tau {online_tau:.2f} ~ 1.0{off}: the server accepts almost no drafts"
-        return _verdict("collapsed", msg, COLLAPSE_CAUSES)
-    if offline_tau is None:
-        return _verdict("online_only", f"online tau {online_tau:.2f} (no offline tau)")
-    gap = online_tau - offline_tau
-    if abs(gap) <= tolerance:
-        return _verdict(
-            "agree", f"online tau {online_tau:.2f} agrees with offline {offline_tau:.2f} (±{tolerance})"
-        )
-    verdict = "lower" if gap < 0 else "higher"
-    msg = f"online tau {online_tau:.2f} is {verdict} than offline {offline_tau:.2f} by {abs(gap):.2f}"
-    causes = COLLAPSE_CAUSES[2:] + ["bf16/fp16 serving vs fp32 offline (near-ties flip)", "different prompts"]
-    return _verdict(verdict, msg, causes if gap < 0 else ["different prompts or stopping rules"])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m eagle_lib.serving.preflight", description=__doc__.split("\n")[0]
@@ -406,7 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the printed commands")
     p.add_argument("--aux-layers", default="", help="aux layers the drafter was trained on, e.g. 1,29,57")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--vllm-hidden", action="store_true", help="also check vLLM can stream the aux hidden states (05)")
+    p.add_argument(
+        "--vllm-hidden", action="store_true", help="also check vLLM can stream the aux hidden states (05)"
+    )
+    p.add_argument(
+        "--server", default="", help="a running server's base URL: check its live speculative config"
+    )
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="the server's engine")
+    p.add_argument("--num-steps", type=int, default=3, help="intended drafts per step (live check)")
     a = p.parse_args(argv)
     rep = preflight(
         a.drafter_dir,
@@ -422,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
 
         aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
         rep.checks += [Check(**c) for c in vllm_preflight.check(a.target, aux, a.trust_remote_code)]
+    if a.server:
+        from eagle_lib.serving import live
+
+        rep.checks += live.check_server(a.engine, a.server, a.drafter_dir, a.num_steps)
     print(json.dumps(rep.to_dict(), indent=2) if a.json else rep.text())
     return 0 if rep.ok else 1
 

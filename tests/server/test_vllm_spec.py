@@ -1,13 +1,14 @@
-"""Online check: vLLM (CPU) serving our exported drafter accepts what our offline decoder accepts.
+"""Online check: vLLM (CPU) serving our exported drafter accepts what our offline decoder accepts, greedily and
+at temperature 1; and the live preflight reads the running server's own speculative config.
 
 A tiny random target (tests.support.tiny, 8 layers so the three aux layers are distinct) and a drafter
 distilled for a few seconds on the target's own greedy continuations (acceptance clearly above 1). Both
 export formats are served by vLLM with ``--speculative-config '{"method": "eagle3", ...}'``; the server's tau
-(from /metrics) must agree with the offline tau within TOLERANCE and its greedy output must equal the
-target's.
+(from /metrics) must agree with the offline tau and its greedy output must equal the target's.
 """
 
 import json
+import math
 import random
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 
 from eagle_lib import acceptance
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.serving import export, specdec
+from eagle_lib.serving import export, live, online, specdec
+from eagle_lib.serving.sampling import Sampler
 from tests.support.tiny import build_world
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -25,6 +27,11 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 TOLERANCE = 0.1
 K = 3
 NEW = 32
+# At T=1 both sides sample (different random streams): the two taus are independent estimates of one mean.
+# The test allows Z_MAX standard errors of their difference, sqrt(var/n_offline + var/n_online), with var the
+# per-step variance of (accepted + 1) measured offline, plus the greedy TOLERANCE for kernel differences.
+SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=0)
+N_SAMPLED_PROMPTS, NEW_SAMPLED, Z_MAX = 24, 48, 4.0
 
 
 def target_features(target, ids: list[int], aux: list[int]):
@@ -59,6 +66,13 @@ def byte_prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randrange(5, 30))] for _ in range(n)]
 
 
+def new_drafter(target):
+    torch.manual_seed(0)
+    d = Eagle3Drafter(Eagle3Config.from_target_config(target.config, target.config.vocab_size))
+    init_from_target(d, target.get_input_embeddings().weight)
+    return d
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,43 +91,66 @@ def world(tmp_path_factory):
         for ids in prompts
     ]
     # distilled on the evaluated prompts themselves: this test needs a drafter that accepts, not one that generalises
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config.from_target_config(target.config, target.config.vocab_size))
-    init_from_target(drafter, target.get_input_embeddings().weight)
+    drafter = new_drafter(target)
     distill(drafter, target, prompts, [p + g for p, g in zip(prompts, greedy, strict=True)])
     runner = specdec.TargetRunner(target, drafter.config.aux_layers)
     offline = [
         specdec.speculative_generate(runner, specdec.EagleProposer(drafter), p, NEW, K, eos) for p in prompts
     ]
+    sampled_prompts = prompts + byte_prompts(N_SAMPLED_PROMPTS - len(prompts), seed=8)
+    sampled = [
+        specdec.speculative_generate(
+            runner, specdec.EagleProposer(drafter), p, NEW_SAMPLED, K, eos, Sampler(**SAMPLED, seed=i)
+        )
+        for i, p in enumerate(sampled_prompts)
+    ]
     return {
         "dir": wdir,
+        "target": target,
         "exports": export.export_all(drafter, root / "export", str(wdir), ["LlamaForCausalLM"], K),
         "prompts": [specdec.Prompt(f"p{i}", "tiny", ids) for i, ids in enumerate(prompts)],
+        "sampled_prompts": [specdec.Prompt(f"s{i}", "tiny", ids) for i, ids in enumerate(sampled_prompts)],
         "offline": offline,
+        "sampled": sampled,
         "greedy": {f"p{i}": g for i, g in enumerate(greedy)},
         "root": root,
     }
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
-def test_vllm_tau_agrees_with_offline(world, fmt):
+def serve(world, drafter_dir, name: str):
     from eagle_lib.engines.vllm_server import start_vllm
 
-    offline = world["offline"]
-    accepted = sum(sum(g.accepted) for g in offline)
-    tau_off = specdec.acceptance_stats([a for g in offline for a in g.accepted], K)["tau"]
-    assert all(g.output_ids == world["greedy"][f"p{i}"] for i, g in enumerate(offline))
-    assert tau_off > 1.5, f"the distilled drafter should accept drafts offline (tau {tau_off:.2f})"
-    spec = {"method": "eagle3", "model": str(world["exports"][fmt]), "num_speculative_tokens": K}
-    with start_vllm(
+    spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": K}
+    return start_vllm(
         world["dir"],
         extra_args=["--speculative-config", json.dumps(spec)],
         max_model_len=512,
-        log_dir=world["root"] / f"logs-{fmt}",
-    ) as srv:
-        res = specdec.online_vllm(srv.base_url, srv.model, {"tiny": world["prompts"]}, NEW, K, concurrency=1)[
-            "tiny"
-        ]
+        log_dir=world["root"] / f"logs-{name}",
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # /server_info: the live preflight reads the speculative config
+    )
+
+
+@pytest.fixture(scope="module")
+def speculators_server(world):
+    with serve(world, world["exports"]["speculators"], "speculators") as srv:
+        yield srv
+
+
+def uncut_tau(gens) -> tuple[float, float, int]:
+    """(tau, per-step variance of accepted + 1, steps) counting drafts as vLLM does (matched, uncut)."""
+    a = [x for g in gens for x in g.matched]
+    mean = sum(a) / len(a) + 1
+    return mean, sum((x + 1 - mean) ** 2 for x in a) / (len(a) - 1), len(a)
+
+
+def check_greedy(world, srv, fmt: str) -> None:
+    offline = world["offline"]
+    tau_off, _, steps = uncut_tau(offline)
+    assert all(g.output_ids == world["greedy"][f"p{i}"] for i, g in enumerate(offline))
+    assert tau_off > 1.5, f"the distilled drafter should accept drafts offline (tau {tau_off:.2f})"
+    res = online.online_vllm(srv.base_url, srv.model, {"tiny": world["prompts"]}, NEW, K, concurrency=1)[
+        "tiny"
+    ]
     print(
         f"{fmt}: vLLM tau {res['tau']:.4f} ({res['accepted']:.0f}/{res['drafts']:.0f}), offline {tau_off:.4f}"
     )
@@ -121,5 +158,56 @@ def test_vllm_tau_agrees_with_offline(world, fmt):
         assert ids == world["greedy"][pid], f"vLLM's greedy output differs from the target's for {pid}"
     assert abs(res["tau"] - tau_off) <= TOLERANCE, (
         f"vLLM tau {res['tau']:.3f} (accepted {res['accepted']:.0f} of {res['drafts']:.0f} drafts) "
-        f"vs offline {tau_off:.3f} (accepted {accepted})"
+        f"vs offline {tau_off:.3f} ({steps} steps)"
     )
+
+
+def test_vllm_tau_agrees_with_offline_speculators(world, speculators_server):
+    check_greedy(world, speculators_server, "speculators")
+
+
+def test_vllm_tau_agrees_with_offline_sglang_format(world):
+    with serve(world, world["exports"]["sglang"], "sglang") as srv:
+        check_greedy(world, srv, "sglang")
+
+
+def test_vllm_tau_at_temperature_1_agrees_with_offline(world, speculators_server):
+    """Speculative sampling offline and in vLLM (greedy drafts, accept/reject on the target's T=1, top_p 0.95
+    distribution): the same expected tau within the sampling error of both measurements."""
+    srv = speculators_server
+    tau_off, var, n_off = uncut_tau(world["sampled"])
+    s = online.Sampling(**SAMPLED)
+    res = online.online_vllm(
+        srv.base_url, srv.model, {"tiny": world["sampled_prompts"]}, NEW_SAMPLED, K, 2, sampling=s, seed=1
+    )["tiny"]
+    n_on = res["drafts"]
+    se = math.sqrt(var / n_off + var / n_on)
+    tol = Z_MAX * se + TOLERANCE
+    greedy_tau = uncut_tau(world["offline"])[0]
+    print(f"T=1: vLLM tau {res['tau']:.3f} ({n_on:.0f} steps), offline {tau_off:.3f} ({n_off} steps), "
+          f"se {se:.3f}, tolerance {tol:.3f}; greedy offline {greedy_tau:.3f}")  # fmt: skip
+    assert 1.2 < tau_off, f"offline T=1 tau {tau_off:.2f}: the drafter should still accept drafts"
+    assert abs(res["tau"] - tau_off) <= tol, (
+        f"vLLM T=1 tau {res['tau']:.3f} vs offline {tau_off:.3f} (±{tol:.3f})"
+    )
+    outs = list(res["outputs"].values())
+    assert len({tuple(o) for o in outs}) > 1 and all(outs), "sampled outputs should vary and be non-empty"
+
+
+def test_live_preflight_passes_on_the_intended_server(world, speculators_server):
+    checks = live.check_server("vllm", speculators_server.base_url, str(world["exports"]["speculators"]), K)
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    names = {c.name for c in checks}
+    assert {"vllm method (live)", "vllm draft model (live)", "live tau"} <= names
+
+
+def test_live_preflight_flags_a_server_with_another_drafter(world):
+    """vLLM started on an untrained drafter (another path): the live preflight names the path and tau ~1."""
+    wrong = export.export_all(new_drafter(world["target"]), world["root"] / "wrong", str(world["dir"]),
+                              ["LlamaForCausalLM"], K)["speculators"]  # fmt: skip
+    with serve(world, wrong, "wrong") as srv:
+        checks = live.check_server("vllm", srv.base_url, str(world["exports"]["speculators"]), K)
+    failed = {c.name: c.message for c in checks if not c.ok}
+    print(failed)
+    assert "vllm draft model (live)" in failed and str(wrong) in failed["vllm draft model (live)"]
+    assert "live tau" in failed and "~ 1.0" in failed["live tau"]

@@ -1,12 +1,14 @@
 """Preflight: a good export passes; each known serving mistake fails with a message naming it."""
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_lib.serving import export, preflight
+from eagle_lib.serving import export, live, preflight
 from tests.support import models as tiny
 
 V = tiny.EXPORT_VOCAB
@@ -168,8 +170,109 @@ def test_cli_exit_codes(exports, tmp_path, capsys):
 
 
 def test_diagnose_collapse_lists_causes():
-    d = preflight.diagnose(2.1, 1.02)
+    d = live.diagnose(2.1, 1.02)
     assert d["verdict"] == "collapsed" and any("EAGLE3" in c for c in d["causes"])
-    assert preflight.diagnose(2.1, 2.05, 0.2)["verdict"] == "agree"
-    assert preflight.diagnose(2.1, 1.6, 0.2)["verdict"] == "lower"
-    assert preflight.diagnose(None, 1.0)["verdict"] == "collapsed"
+    assert live.diagnose(2.1, 2.05, 0.2)["verdict"] == "agree"
+    assert live.diagnose(2.1, 1.6, 0.2)["verdict"] == "lower"
+    assert live.diagnose(None, 1.0)["verdict"] == "collapsed"
+
+
+# --- live preflight: the running server's own account (local stand-ins in the engines' documented shapes) -----
+class LiveStandIn(BaseHTTPRequestHandler):
+    """SGLang /server_info (server args + internal_states, its documented shape; /get_server_info on old
+    versions) and vLLM /server_info?config_format=json (dev mode), /v1/models, /v1/completions, /metrics."""
+
+    info: dict = {}
+    paths: set = set()
+    counters = {"drafts": 0.0, "accepted": 0.0}
+    per_step = 3
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body, status=200, ctype="application/json"):
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        c = LiveStandIn.counters
+        if path == "/metrics":
+            text = (
+                f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}\n'
+                f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {c["drafts"] * LiveStandIn.per_step}\n'
+                f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {c["accepted"]}\n'
+            )
+            return self._send(text, ctype="text/plain")
+        if path == "/v1/models":
+            return self._send({"data": [{"id": "m"}]})
+        if path in LiveStandIn.paths:
+            return self._send(LiveStandIn.info)
+        self._send({"detail": "Not Found"}, 404)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        LiveStandIn.counters["drafts"] += 4
+        LiveStandIn.counters["accepted"] += LiveStandIn.accept_per_request
+        self._send({"choices": [{"text": "x", "token_ids": [1]}]})
+
+
+@pytest.fixture
+def standin():
+    LiveStandIn.counters = {"drafts": 0.0, "accepted": 0.0}
+    LiveStandIn.accept_per_request, LiveStandIn.per_step = 6.0, 3
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), LiveStandIn)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def sglang_info(algo="EAGLE3", path="/d", steps=3, topk=1, tokens=4, accept=2.4):
+    return {"model_path": "/t", "speculative_algorithm": algo, "speculative_draft_model_path": path,
+            "speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": tokens,
+            "internal_states": [{"avg_spec_accept_length": accept, "last_gen_throughput": 10.0}], "version": "0.5"}  # fmt: skip
+
+
+def live_failed(checks):
+    return {c.name: c.message for c in checks if not c.ok}
+
+
+@pytest.mark.parametrize("endpoint", ["/server_info", "/get_server_info"])
+def test_live_sglang_good_and_eagle_instead_of_eagle3(standin, endpoint):
+    LiveStandIn.paths, LiveStandIn.info = {endpoint}, sglang_info()
+    assert not live_failed(live.check_server("sglang", standin, "/d", 3))
+    LiveStandIn.info = sglang_info(algo="EAGLE", path="/other", accept=1.01)
+    bad = live_failed(live.check_server("sglang", standin, "/d", 3))
+    assert "acceptance ~1.0" in bad["sglang speculative_algorithm (live)"]
+    assert "/other" in bad["sglang speculative_draft_model_path (live)"] and "~ 1.0" in bad["live tau"]
+
+
+def test_live_vllm_reads_spec_config_and_probes_metrics(standin):
+    spec = {"method": "eagle", "model": "/other", "num_speculative_tokens": 3}
+    LiveStandIn.paths, LiveStandIn.info = {"/server_info"}, {"vllm_config": {"speculative_config": spec}}
+    LiveStandIn.accept_per_request = 0.0  # the probes accept nothing: tau 1.0
+    bad = live_failed(live.check_server("vllm", standin, "/d", 3))
+    assert "EAGLE-1" in bad["vllm method (live)"] and "/other" in bad["vllm draft model (live)"]
+    assert "tau 1.00 ~ 1.0 (3 probe requests)" in bad["live tau"]
+    LiveStandIn.paths, LiveStandIn.accept_per_request = set(), 6.0  # /server_info not served (no dev mode)
+    checks = live.check_server("vllm", standin, "/d", 3)
+    warn = {c.name: c for c in checks}["vllm /server_info"]
+    assert warn.severity == "warning" and "VLLM_SERVER_DEV_MODE=1" in warn.message
+    assert {c.name: c for c in checks}["live tau"].message == "tau 2.50 (3 probe requests)"
+
+
+def test_client_errors_name_the_url(standin):
+    from eagle_lib.engines import client
+
+    with pytest.raises(client.ServerError, match=r"GET http://127.0.0.1:\d+/nope: HTTP 404") as e:
+        client.get_json(standin + "/nope")
+    assert e.value.status == 404
+    with pytest.raises(client.ServerError, match=r"/metrics: the answer is not JSON"):
+        client.get_json(standin + "/metrics")
+    with pytest.raises(client.ServerError, match=r"POST http://127.0.0.1:1/x: cannot connect"):
+        client.post_json("http://127.0.0.1:1/x", {"a": 1}, timeout=5)
+    assert client.get_json(standin + "/v1/models")["data"][0]["id"] == "m"
