@@ -145,7 +145,9 @@ def _tails(km: KM, c: np.ndarray) -> dict:
 
 
 def _predict(km: KM, c_in: np.ndarray, n_in: np.ndarray, m: int, base: dict, where: str, short: int) -> dict:
-    """Predictive draws of the final (tokens, at-limit count, short count) under the tail placed `where`."""
+    """(mean, sd) of the final token total and at-limit count, and the distribution's mean, limit and short
+    shares, per replicate (R,), with the undistributed tail placed `where` ("low": at the largest value seen,
+    "high": at the limit)."""
     at = np.maximum(km.last, c_in[None, :]) if where == "low" else np.full((1, c_in.size), km.limit)
     t_all = km.tail[:, None]
     loc = km.last if where == "low" else km.limit
@@ -231,7 +233,8 @@ def naive(s: RunState, reps: int = 400, interval: float = 0.95, seed: int = 0) -
     idx = rng.integers(0, n, size=(reps, n)) if n * reps <= 4_000_000 else None
     if idx is None:
         means = rng.normal(x.mean(), x.std() / np.sqrt(n), reps)
-        shares = rng.normal((s.status == 1).mean(), 0.5 / np.sqrt(n), reps)
+        share = (s.status == 1).mean()
+        shares = rng.normal(share, np.sqrt(share * (1 - share) / n), reps)
     else:
         means, shares = x[idx].mean(1), (s.status[idx] == 1).mean(1)
     tok = x.sum() + remaining * means + np.sqrt(remaining) * x.std() * rng.standard_normal(reps)

@@ -108,7 +108,7 @@ def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths
                 and c[0] not in skip]  # fmt: skip
         out += _live_checks(ls.name, live, p) if live else []
         if ls.kind == "B" and not ls.ledger and ls.name in unfinished:
-            out.append(("info", "B", ls.name, "no_ledger", row["n"], 0, "03 kept no ledger of started requests "
+            out.append(("warn", "B", ls.name, "no_ledger", row["n"], 0, "03 kept no ledger of started requests "
                         "(a run made before it did): mid-run estimates count finished responses only and may be "
                         "biased towards short ones"))  # fmt: skip
         seen = sorted(ls.limits)
@@ -286,13 +286,16 @@ def answer(report) -> str:
     parts = [head]
     if len(trunc):
         names = ", ".join(f"{k}/{d}" for k, d in zip(trunc.kind, trunc.dataset, strict=True))
-        parts.append(f"{len(trunc)} dataset(s) cut at the limit in > {thr} of samples ({names}): raise "
-                     "max_new_tokens" if set(trunc.kind) == {"B"} else f"{len(trunc)} dataset(s) cut at the limit "
-                     f"in > {thr} of samples ({names}): raise max_new_tokens (B) / 01's max_seq_len (A)")  # fmt: skip
+        fix = (
+            "raise max_new_tokens"
+            if set(trunc.kind) == {"B"}
+            else "raise max_new_tokens (B) / 01's max_seq_len (A)"
+        )
+        parts.append(f"{len(trunc)} dataset(s) cut at the limit in > {thr} of samples ({names}): {fix}")
     if len(undecided):
-        parts.append("truncation undetermined yet for " + ", ".join(
-            f"B/{d} ({m.split('interval ')[1].split(';')[0]})" for d, m in zip(undecided.dataset, undecided.message,
-                                                                               strict=True)))  # fmt: skip
+        bounds = {d: report.estimates[d]["share_at_limit"][1:] for d in undecided.dataset}
+        listed = ", ".join(f"B/{d} ({lo:.0%}-{hi:.0%})" for d, (lo, hi) in bounds.items())
+        parts.append(f"truncation undetermined yet for {listed}")
     if not len(trunc) and not len(undecided):
         parts.append(f"no dataset cut at the limit in > {thr} of samples")
     others = v[(v.level == "warn") & (v.check != "truncation")]
