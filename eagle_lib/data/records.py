@@ -109,7 +109,7 @@ def batches(src: formats.Source, size: int) -> Iterator[tuple[formats.Source, li
 
 
 def fingerprint(src: formats.Source, stage_params: dict, tokenizer: Any) -> str:
-    """Key of a dataset output: source (file size + mtime, or hub id), params and tokenizer (vocab + template)."""
+    """Key of a dataset output: source (file size + mtime, or hub id), params, tokenizer (vocab + template), code."""
     path = formats.resolve_path(src.path)
     p = Path(path)
     stat = [p.stat().st_size, p.stat().st_mtime_ns] if p.exists() else [path]
@@ -117,8 +117,23 @@ def fingerprint(src: formats.Source, stage_params: dict, tokenizer: Any) -> str:
         f"{len(tokenizer)}|{tokenizer.chat_template}|{tokenizer.name_or_path}".encode()
     ).hexdigest()
     return store.stable_hash(
-        {"source": src.model_dump(), "stat": stat, "params": stage_params, "tokenizer": tok}
+        {
+            "source": src.model_dump(),
+            "stat": stat,
+            "params": stage_params,
+            "tokenizer": tok,
+            "code": _code_key(),
+        }
     )
+
+
+def _code_key() -> str:
+    """Hash of the modules that decide a record (adapters, rendering, masks): an output made by older code,
+    e.g. masks from a fallback that verified nothing, is redone rather than reused."""
+    from eagle_lib.data import chat_spans
+
+    blob = b"".join(Path(m.__file__).read_bytes() for m in (chat, chat_spans, formats))
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def reason_key(reason: str) -> str:
@@ -306,7 +321,9 @@ def rejects_sample(cfg: params.StageConfig, kind: str, per_dataset: int = 3):
             if k >= per_dataset:
                 break
             at = f"line {rec['line']}" if "line" in rec else f"row {rec.get('row')}"
-            file = Path(str(rec.get("file"))).name  # the full path is in rejects.jsonl; the name answers "where"
+            file = Path(
+                str(rec.get("file"))
+            ).name  # the full path is in rejects.jsonl; the name answers "where"
             rows.append({"dataset": path.parent.name, "file": file, "at": at, "reason": rec.get("reason")})
     return pd.DataFrame(rows)
 
