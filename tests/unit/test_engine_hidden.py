@@ -149,3 +149,22 @@ def test_out_of_plan_call_and_oversized_unit_fail_clearly(target, tmp_path):
     with pytest.raises(SystemExit, match="raise max_buffer_gb"):
         vllm_producer.Producer(tmp_path / "buf", 0, 1).run()
     src.close()
+
+
+def test_kept_units_are_reused_without_a_producer(target, tmp_path, monkeypatch):
+    path, model = target
+    seqs, batches, units, tokens = world(6)
+    ids = engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)
+    monkeypatch.setattr(vllm_producer, "make_engine", lambda cfg, scratch: HFEngine(model, ids, scratch))
+    head = hidden.load_target_head(str(path), model.config)
+    pcfg = producer_cfg(path, ids, 10**8)
+    args = (tmp_path / "buf", units, tokens, 0, ids, AUX, head, 64, torch.device("cpu"))
+    first = engine_hidden.VllmHidden(*args, producer_cfg=pcfg, keep=True, start_producers=False)
+    vllm_producer.Producer(tmp_path / "buf", 0, 1).run()  # all units, before the trainer starts
+    out = [first(b) for b in batches]
+    assert len(list((tmp_path / "buf").glob("unit_*.safetensors"))) == len(units)  # kept
+    again = engine_hidden.VllmHidden(*args, producer_cfg=pcfg, keep=True, start_producers=True)
+    assert again.procs == []  # nothing to make: no vLLM is started
+    for b, (aux, logits) in zip(batches, out, strict=True):
+        aux2, logits2 = again(b)
+        assert torch.equal(aux, aux2) and torch.equal(logits, logits2)
