@@ -57,11 +57,8 @@ class Params(params.Strict):
     num_draft_tokens: int = 4  # SGLang --speculative-num-draft-tokens (num_steps + 1 for topk 1)
     methods: list[Method] = ["none", "ngram", "eagle3"]  # offline methods; 'none' is the lossless reference
     temperatures: list[float] = [0.0, 1.0]  # 0 = greedy; the target's recommended one (Kimi-K2.5: 1.0)
-    sampled_methods: list[Method] = [
-        "none",
-        "ngram",
-        "eagle3",
-    ]  # methods decoded at T > 0 (none: speed baseline)
+    sampled_methods: list[Method] = ["none", "ngram", "eagle3"]  # decoded at T > 0 (none: speed baseline)
+    sampled_max_prompts: int = 0  # prompts per dataset decoded at T > 0 (the first ones); 0 = all
     top_p: float = 0.95  # the target's sampling at T > 0 (Kimi-K2.5 thinking mode: 0.95); 1.0 = off
     top_k: int = 0  # the target's top-k at T > 0; 0 = off
     draft_sampling: Literal["greedy", "sample"] = "greedy"  # eagle3 drafts at T > 0: argmax as vLLM/SGLang
@@ -268,13 +265,15 @@ def eos_ids(tokenizer, target) -> list[int]:
 def _online(
     p: Params, shared, exports: dict[str, Path], prompts: dict[str, list[Prompt]], out: Path, max_pos: int
 ):
-    """{temperature: raw online results per dataset}: a given server, or a local vLLM CPU server on the export."""
+    """({temperature: raw online results per dataset}, live checks): a given server, or a local vLLM CPU server
+    on the export."""
     from eagle_lib import models
+    from eagle_lib.serving import online
 
-    if p.online_engine == "sglang" or p.online_url:
-        return _measure(p, shared, p.online_url.rstrip("/"), p.online_model, prompts), p.online_url.rstrip(
-            "/"
-        )
+    url = p.online_url.rstrip("/")
+    if p.online_engine == "sglang" or url:
+        raw = online.measure(p, shared.seed, url, p.online_model, prompts)
+        return raw, online.live_checks(p, url, exports[p.online_format], raw)
     from eagle_lib.engines.vllm_server import start_vllm
 
     spec = {"method": "eagle3", "model": str(exports[p.online_format]), "num_speculative_tokens": p.num_steps}
@@ -287,35 +286,8 @@ def _online(
         log_dir=out / "vllm",
         env={"VLLM_SERVER_DEV_MODE": "1"},  # exposes /server_info: the live preflight reads its spec config
     ) as srv:
-        raw = _measure(p, shared, srv.base_url, srv.model, prompts)
-        return raw, srv.base_url, _live(p, srv.base_url, exports[p.online_format], raw)
-
-
-def _measure(p: Params, shared, url: str, model: str, prompts: dict[str, list[Prompt]]) -> dict[float, dict]:
-    from eagle_lib.serving import online
-
-    raw = {}
-    for temp in p.online_temps:
-        s = online.Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)
-        kw = dict(
-            concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=shared.seed
-        )
-        if p.online_engine == "sglang":
-            raw[temp] = online.online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
-        else:
-            raw[temp] = online.online_vllm(url, model, prompts, p.eval_max_new_tokens, p.num_steps, **kw)
-    return raw
-
-
-def _live(p: Params, url: str, drafter_dir: Path, raw: dict[float, dict]) -> list[dict]:
-    """The running server's own account of its speculative settings, checked against the intended ones."""
-    from eagle_lib.serving import live
-
-    taus = [r["tau"] for per in raw.values() for r in per.values()]
-    tau = sum(taus) / len(taus) if taus else None
-    return [
-        c.__dict__ for c in live.check_server(p.online_engine, url, str(drafter_dir), p.num_steps, tau=tau)
-    ]
+        raw = online.measure(p, shared.seed, srv.base_url, srv.model, prompts)
+        return raw, online.live_checks(p, srv.base_url, exports[p.online_format], raw)
 
 
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:
@@ -406,10 +378,7 @@ def run(cfg: params.StageConfig) -> Eval:
     on, live = None, []
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
-        raw, url, *rest = _online(
-            p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096))
-        )
-        live = rest[0] if rest else _live(p, url, exports[p.online_format], raw)
+        raw, live = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)))
         on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
         on.to_csv(out / "online.csv", index=False)
         store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw})

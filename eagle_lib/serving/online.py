@@ -164,6 +164,30 @@ def online_sglang(
     return out
 
 
+# --- what stage 06 runs ----------------------------------------------------------------------------------
+def measure(p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]]) -> dict[float, dict]:
+    """{temperature: results per dataset} for every online temperature of 06's params ``p``."""
+    raw = {}
+    for temp in p.online_temps:
+        s = Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)
+        kw = dict(concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=seed)
+        if p.online_engine == "sglang":
+            raw[temp] = online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
+        else:
+            raw[temp] = online_vllm(url, model, prompts, p.eval_max_new_tokens, p.num_steps, **kw)
+    return raw
+
+
+def live_checks(p, url: str, drafter_dir, raw: dict[float, dict]) -> list[dict]:
+    """The running server's own account of its speculative settings, checked against 06's intended ones."""
+    from eagle_lib.serving import live
+
+    taus = [r["tau"] for per in raw.values() for r in per.values()]
+    tau = sum(taus) / len(taus) if taus else None
+    checks = live.check_server(p.online_engine, url, str(drafter_dir), p.num_steps, tau=tau)
+    return [c.__dict__ for c in checks]
+
+
 # --- online beside offline ----------------------------------------------------------------------------------
 def same_output(server: list[int], reference: list[int], eos: set[int]) -> bool:
     """The server's whole output equals the offline greedy one; the only difference allowed is the stop token

@@ -231,7 +231,11 @@ def test_eagle_proposer_cache_equals_recompute(drafter):
 def test_drafts_past_the_end_are_not_counted(target):
     """Drafts accepted after the stop token or beyond max_new_tokens are not accepted output (matched keeps them)."""
     prompt, ref, j = next(
-        (p, r, i) for p in PROMPTS for r in [hf_greedy(target, p, 20)] for i in range(1, 4) if r[i] not in r[:i]
+        (p, r, i)
+        for p in PROMPTS
+        for r in [hf_greedy(target, p, 20)]
+        for i in range(1, 4)
+        if r[i] not in r[:i]
     )
     g = speculative_generate(TargetRunner(target), OracleProposer(target), prompt, 20, k=4, eos_ids=[ref[j]])
     assert g.output_ids == ref[: j + 1] and g.accepted == [j] and g.matched == [4]
@@ -375,9 +379,13 @@ def test_speculative_sampling_matches_target_distribution(small, marginals, kind
         emp = counts[pos] / counts[pos].sum()
         tv = 0.5 * float((emp - marginals[pos]).abs().sum())
         pval, tol = chi_square_p(counts[pos], marginals[pos]), tv_tolerance(marginals[pos], SAMPLE_RUNS)
-        assert pval > P_MIN and tv < tol, f"{kind} position {pos + 1}: p={pval:.2g}, TV={tv:.3f} >= {tol:.3f}?"
+        assert pval > P_MIN and tv < tol, (
+            f"{kind} position {pos + 1}: p={pval:.2g}, TV={tv:.3f} >= {tol:.3f}?"
+        )
     if kind in ("near", "oracle"):  # the accept path and the bonus token are exercised, not only the residual
-        assert mean_acc > {"near": 0.8, "oracle": 0.2}[kind], f"{kind}: drafts accepted per step {mean_acc:.2f}"
+        assert mean_acc > {"near": 0.8, "oracle": 0.2}[kind], (
+            f"{kind}: drafts accepted per step {mean_acc:.2f}"
+        )
 
 
 def test_distribution_check_catches_a_broken_sampler(small, marginals):
@@ -455,6 +463,7 @@ class StandIn(BaseHTTPRequestHandler):
 
     counters = {"drafts": 0, "accepted": 0}
     sglang_meta = True
+    bodies: list = []
 
     def log_message(self, *a):
         pass
@@ -485,8 +494,9 @@ class StandIn(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ids = body.get("prompt") or body.get("input_ids")
         out = [(t + 1) % 50 for t in ids[-4:]]  # deterministic "greedy" output
+        StandIn.bodies.append(body)
         if self.path == "/v1/completions":
-            assert body["temperature"] == 0.0 and body["model"] == "served"
+            assert body["model"] == "served"
             StandIn.counters["drafts"] += 2
             StandIn.counters["accepted"] += 3
             self._send({"choices": [{"token_ids": out, "text": ""}]})
@@ -500,7 +510,7 @@ class StandIn(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     StandIn.counters = {"drafts": 0, "accepted": 0}
-    StandIn.sglang_meta = True
+    StandIn.sglang_meta, StandIn.bodies = True, []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -538,3 +548,18 @@ def test_parse_real_vllm_metrics_lines():
     )
     c = online.vllm_spec_counters(text)
     assert c["drafts"] == 15.0 and c["accepted"] == 7.0 and c["pos_2"] == 1.0
+
+
+def test_sampled_requests_carry_the_target_sampling(server):
+    s = online.Sampling(1.0, 0.95, 0)
+    online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, sampling=s, seed=3)
+    online.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8, sampling=s, seed=3)
+    vl, sg = StandIn.bodies[:4], StandIn.bodies[4:]
+    assert all(b["temperature"] == 1.0 and b["top_p"] == 0.95 and b["top_k"] == -1 for b in vl)
+    assert len({b["seed"] for b in vl}) == 4  # one seed per prompt, stable across runs
+    assert all(
+        b["sampling_params"]["temperature"] == 1.0 and "sampling_seed" in b["sampling_params"] for b in sg
+    )
+    StandIn.bodies.clear()
+    online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8)
+    assert all(b["temperature"] == 0.0 and "top_p" not in b for b in StandIn.bodies)
