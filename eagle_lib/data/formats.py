@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from eagle_lib import params
+from eagle_lib.data import readers
 
 Adapter = Literal["glaive", "mot", "openthoughts", "swe_agent", "opencodeinstruct", "sharegpt", "ultrachat",
                   "openai", "pretokenized"]  # fmt: skip
@@ -56,106 +56,9 @@ class Skip(Exception):
         self.reason = reason
 
 
-# ---------------------------------------------------------------- reading sources
+# ---------------------------------------------------------------- reading sources (eagle_lib.data.readers)
 
-
-def is_hub_id(path: str) -> bool:
-    """True for strings that look like a hub dataset id ("owner/name") and are not a local file."""
-    return (
-        re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
-        and not Path(path).exists()
-        and Path(path).suffix not in (".json", ".jsonl", ".parquet")
-    )
-
-
-def resolve_path(path: str) -> str:
-    """toy://data/<name> -> the toy world's file; other strings pass through."""
-    from eagle_lib.models import resolve
-
-    return resolve(path)
-
-
-def iter_rows(src: Source) -> Iterator[tuple[dict, dict | None, str | None]]:
-    """Yield ``(where, row, error)`` for every row of ``src``: ``where`` = {file, line|row}; error = why unreadable."""
-    path = resolve_path(src.path)
-    if is_hub_id(path) or Path(path).is_dir():  # a folder laid out like a hub dataset repo reads the same way
-        rows = _iter_hub(src, path)
-    else:
-        p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"dataset {src.name}: {path}: no such file (and not a hub id)")
-        rows = _iter_parquet(p) if p.suffix == ".parquet" else _iter_json(p)
-    for n, item in enumerate(rows):
-        if src.max_read and n >= src.max_read:
-            return
-        yield item
-
-
-def _iter_json(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
-    with open(path, "rb") as f:
-        head = f.read(1024).lstrip()
-    if path.suffix == ".json" and head.startswith(b"["):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise Malformed(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        for i, row in enumerate(data):
-            yield _checked({"file": str(path), "row": i}, row)
-        return
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = {"file": str(path), "line": lineno}
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield where, None, f"invalid UTF-8 at byte {e.start}"
-                continue
-            except json.JSONDecodeError as e:
-                yield where, None, f"invalid JSON: {e.msg} (column {e.colno})"
-                continue
-            yield _checked(where, row)
-
-
-def _checked(where: dict, row: Any) -> tuple[dict, dict | None, str | None]:
-    if not isinstance(row, dict):
-        return where, None, f"expected a JSON object, got {type(row).__name__}"
-    return where, row, None
-
-
-def _iter_parquet(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
-    import pyarrow.parquet as pq
-
-    i = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield {"file": str(path), "row": i}, row, None
-            i += 1
-
-
-def _iter_hub(src: Source, hub_id: str) -> Iterator[tuple[dict, dict | None, str | None]]:
-    import datasets
-
-    datasets.disable_progress_bars()  # progress bars go to stderr: noise in the executed reports
-    datasets.logging.set_verbosity_error()
-    kw = {"data_files": src.data_files} if src.data_files else {}
-    ds = datasets.load_dataset(
-        hub_id, name=src.config or None, split=src.split, streaming=src.streaming, **kw
-    )
-    label = f"{hub_id}[{src.config or 'default'}:{src.split}]"
-    for i, row in enumerate(ds):
-        yield {"file": label, "row": i}, _without_nulls(row), None
-
-
-def _without_nulls(val: Any) -> Any:
-    """Arrow stores rows as structs: a key one row lacks comes back as None in every other row (a tool schema
-    gains the properties of all the others' tools). Keys with None values are dropped, as if missing."""
-    if isinstance(val, dict):
-        return {k: _without_nulls(v) for k, v in val.items() if v is not None}
-    if isinstance(val, list):
-        return [_without_nulls(v) for v in val]
-    return val
+is_hub_id, iter_rows, resolve_path = readers.is_hub_id, readers.iter_rows, readers.resolve_path
 
 
 # ---------------------------------------------------------------- helpers shared by adapters

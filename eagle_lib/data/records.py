@@ -130,9 +130,9 @@ def fingerprint(src: formats.Source, stage_params: dict, tokenizer: Any) -> str:
 def _code_key() -> str:
     """Hash of the modules that decide a record (adapters, rendering, masks): an output made by older code,
     e.g. masks from a fallback that verified nothing, is redone rather than reused."""
-    from eagle_lib.data import chat_spans
+    from eagle_lib.data import chat_spans, readers
 
-    blob = b"".join(Path(m.__file__).read_bytes() for m in (chat, chat_spans, formats))
+    blob = b"".join(Path(m.__file__).read_bytes() for m in (chat, chat_spans, formats, readers))
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
