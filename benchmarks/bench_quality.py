@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -251,6 +252,9 @@ def main() -> None:
     )
     ap.add_argument("--attention", default="sdpa", help="speculators' attention implementation")
     ap.add_argument("--spec-python", default=str(ROOT / ".venv-speculators/bin/python"))
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the work directory (both drafters, the batches)"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -321,6 +325,8 @@ def main() -> None:
         _tau(their_drafter, target, tokenizer, held, a),
     )
     ratio = t_ours["tau"] / t_theirs["tau"]
+    if not a.keep:
+        shutil.rmtree(work)
     print(
         f"{a.steps} steps, k={a.k}, lr {a.lr}, {a.rows} x {a.pack_len}-token rows; tau at {a.drafts} drafts on "
         f"{t_ours['prompts']} held-out prompts x {a.new_tokens} tokens (greedy, offline decoder)"
