@@ -197,4 +197,16 @@ def verdict(curve: Curve, min_gain: float, q: float = 0.95) -> dict:
         text = f"undetermined: doubling the data is projected to move tau from {span} (gain {g['gain']:+.2f}, " \
                f"interval [{g['lo']:+.2f}, {g['hi']:+.2f}] straddles {min_gain}); more held-out prompts or " \
                "another subset point would decide"  # fmt: skip
-    return {"kind": kind, "text": text, "gain_2x": g, "tau_now": now, "tau_2x": two}
+    top = int(np.argmax(curve.x))  # the fit must also pass the full-data point, or its shape is wrong
+    miss = float(curve.tau[top] - curve.fit.predict([curve.x[top]])[0])
+    if abs(miss) > max(0.05, (now["hi"] - now["lo"]) / 2):
+        text += (
+            f". Caution: the fit misses the largest subset by {miss:+.2f} tau (measured {curve.tau[top]:.2f}); "
+            + (
+                "tau is still steepening there, so the projection is conservative (small subsets may be "
+                "under-trained at the 05 epochs: steps: fixed separates data from compute)"
+                if miss > 0
+                else "tau flattens faster than the fitted form, so the projection is optimistic"
+            )
+        )
+    return {"kind": kind, "text": text, "gain_2x": g, "tau_now": now, "tau_2x": two, "fit_miss": miss}

@@ -82,12 +82,17 @@ def ranked(lodo: pd.DataFrame) -> pd.DataFrame:
         per = g[g["eval"] != "all"]
         helps = list(per[per.measurable & (per.value > 0)]["eval"])
         hurts = list(per[per.measurable & (per.value < 0)]["eval"])
-        if helps:
-            text = f"adding more of {u} is projected to help eval sets {', '.join(helps)}"
-        else:
-            text = f"{u}: no measurable difference on any eval set"
-        text += f"; removing it measurably helps {', '.join(hurts)}" if hurts else ""
         iv = f"{allr.value:+.3f} [{allr.lo:+.3f}, {allr.hi:+.3f}]"
+        if not allr.measurable:
+            text = f"{u}: no measurable difference on all eval sets ({iv})"
+        elif allr.value > 0:
+            text = f"{u}: more of it is projected to raise tau on all eval sets ({iv})"
+        else:
+            text = f"{u}: removing it raised tau on all eval sets ({iv}): more of it is not projected to help"
+        text += f"; adding more of {u} is projected to help eval sets {', '.join(helps)}" if helps else ""
+        text += f"; removing it measurably helps {', '.join(hurts)}" if hurts else ""
+        if not helps and not hurts:
+            text += "; no single eval set shows a measurable difference"
         overall = iv if allr.measurable else f"no measurable difference ({iv})"
         out.append({"unit": u, "value_all": allr.value, "lo": allr.lo, "hi": allr.hi, "overall": overall,
                     "helps": helps, "hurts": hurts, "short_response": bool(allr.short_response), "text": text})  # fmt: skip
