@@ -37,8 +37,8 @@ class Params(params.Strict):
 
     datasets: list[formats.Source] = _TOY_A  # A sources: {name, path, adapter, config, split, max_read, ...}
     max_seq_len: int = 2048  # longer records are truncated to this many tokens (counted in meta.json)
-    # assistant turns trained: all (one sequence), the last one only, or each: one sequence per assistant turn
-    # rendered as the target saw it when generating it (for templates that drop earlier turns' reasoning)
+    # assistant turns trained: all (one sequence), the last one only, or each: every turn once, in a sequence
+    # showing it as the target saw it (extra sequences only where the template drops reasoning)
     turns: Literal["all", "last", "each"] = "all"
     max_reject_fraction: float = 0.1  # a dataset rejecting more than this share of its rows fails the stage
     chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {"thinking": true}
@@ -59,7 +59,7 @@ def _prepare_one(conv: dict) -> tuple:
             raise formats.Malformed(
                 f"token id {max(ids)} >= the tokenizer's vocab size {state['vocab_size']}"
             )
-        seqs = [(ids, conv["loss_mask"])]
+        seqs = [(ids, conv["loss_mask"], None)]
         method = "pretokenized"
     else:
         enc = state["encoder"]
@@ -67,20 +67,20 @@ def _prepare_one(conv: dict) -> tuple:
             encs = enc.encode_each(conv["messages"], conv["tools"])
         else:
             encs = [enc.encode(conv["messages"], conv["tools"], p.turns)]
-        seqs = [(e.input_ids, e.loss_mask) for e in encs]
+        seqs = [(e.input_ids, e.loss_mask, e.turns) for e in encs]
         method = "fallback" if any(e.method == "fallback" for e in encs) else "scan"
-    seqs = [(ids, mask) for ids, mask in seqs if any(mask)]
+    seqs = [s for s in seqs if any(s[1])]
     if not seqs:
         return "dropped", "no_assistant_turn"
     out = []
-    for k, (ids, mask) in enumerate(seqs):
+    for k, (ids, mask, turns) in enumerate(seqs):
         truncated = len(ids) > p.max_seq_len
         ids, mask = ids[: p.max_seq_len], mask[: p.max_seq_len]
         if n_trainable := sum(mask):
-            rid = f"{conv['id']}#t{k}" if p.turns == "each" else conv["id"]
+            rid = f"{conv['id']}#s{k}" if p.turns == "each" else conv["id"]
             rec = {"id": rid, "source": conv["source"], "input_ids": ids, "loss_mask": mask}
-            if p.turns == "each":  # the conversation a turn came from (a held-out split should keep it whole)
-                rec |= {"conversation": conv["id"], "turn": k}
+            if p.turns == "each":  # the conversation and its assistant turns (0-based) this sequence trains
+                rec |= {"conversation": conv["id"], "turns": turns}
             out.append(rec | {"n_tokens": len(ids), "n_trainable": n_trainable, "truncated": truncated})
     if not out:
         return "dropped", "truncated_away"
@@ -147,7 +147,7 @@ def answer_text(meta: dict) -> str:
         text += (
             f" **The chat template drops the reasoning of earlier turns**, so with `turns: {turns}` those turns"
             " train an empty think block + answer, a continuation the target never produces while it thinks:"
-            " set `turns: each` (one sequence per assistant turn, as the target saw it)."
+            " set `turns: each` (every turn trained once, as the target saw it)."
         )
     return text
 

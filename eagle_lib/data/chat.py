@@ -62,6 +62,7 @@ class Encoded:
     loss_mask: list[int]  # 1 = assistant token to predict (a label position), same length as input_ids
     text: str  # the rendered conversation
     method: str  # "scan" (one-pass spans) or "fallback" (verified spans from sentinel re-renders)
+    turns: list[int] | None = None  # turns: each: which assistant turns (0-based) this sequence trains
 
 
 def shift_labels(input_ids: list[int], loss_mask: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -133,28 +134,56 @@ class ChatEncoder:
         return self.encode_text(self.render(messages, tools), messages, tools, turns)
 
     def encode_each(self, messages: list[dict], tools: list | None = None) -> list[Encoded]:
-        """One sequence per assistant turn, as the target saw it when it generated that turn.
+        """Every assistant turn trained once, in a sequence that shows it as the target saw it when it wrote it.
 
-        Sequence i is the conversation up to and including assistant turn i, rendered by the template (so the
-        history is what the target read, and turn i, the final message, keeps its reasoning even where the
-        template drops the reasoning of earlier turns); only turn i is trained, its history is masked 0.
+        A turn whose place in the full render is exactly that (the text before it is the prompt the target was
+        given, ``render(history, add_generation_prompt)``, and the turn reads as the template renders it when it
+        is the final message) is trained in one sequence of the whole conversation. Every other turn (its
+        reasoning dropped by the template because later turns follow, or an earlier turn's reasoning that the
+        target saw dropped from the history) gets its own sequence: that prompt followed by the turn as the final
+        message renders it, reasoning included; its history is masked 0. A conversation without reasoning is
+        one sequence, as with ``all``.
         """
-        ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
-        return [self.encode(messages[:n], tools, "last") for n in ends]
+        full = self.render(messages, tools)
+        spans, method = self.spans_of(full, messages, tools)
+        merged: list[int] = []
+        out: list[Encoded] = []
+        for k, i in enumerate(i for i, m in enumerate(messages) if m["role"] == "assistant"):
+            b, e = spans[k]
+            prompt = self.render(messages[:i], tools, add_generation_prompt=True)
+            own = self.render(messages[: i + 1], tools)
+            own_spans, own_method = self.spans_of(own, messages[: i + 1], tools)
+            turn = own[own_spans[-1][0] : own_spans[-1][1]]
+            if full[:b] == prompt and full[b:e] == turn:
+                merged.append(k)
+                continue
+            text = prompt + turn
+            ids, mask = self._tokenize_masked(text, [(len(prompt), len(text))])
+            out.append(Encoded(ids, mask, text, own_method, [k]))
+        if merged:
+            ids, mask = self._tokenize_masked(full, [spans[k] for k in merged])
+            out.insert(0, Encoded(ids, mask, full, method, merged))
+        return out
+
+    def spans_of(self, text: str, messages: list[dict], tools: list | None = None) -> tuple[list, str]:
+        """(character spans of the assistant turns in ``text``, "scan" | "fallback"); ChatError if unverifiable."""
+        from eagle_lib.data import chat_spans
+
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and not (
+                content_of(m).strip() or m.get("reasoning_content") or m.get("tool_calls")
+            ):
+                raise ChatError(f"message {i}: empty assistant message (templates disagree on rendering it)")
+        spans = chat_spans.scan_spans(self, text, messages)
+        if spans is not None:
+            return spans, "scan"
+        return chat_spans.verified_spans(self, messages, tools, text), "fallback"
 
     def encode_text(
         self, text: str, messages: list[dict], tools: list | None = None, turns: Turns = "all"
     ) -> Encoded:
         """Token ids and loss mask of ``text``, the render of ``messages`` (one tokenization)."""
-        from eagle_lib.data import chat_spans
-
-        asst = [(i, m) for i, m in enumerate(messages) if m["role"] == "assistant"]
-        for i, m in asst:
-            if not (content_of(m).strip() or m.get("reasoning_content") or m.get("tool_calls")):
-                raise ChatError(f"message {i}: empty assistant message (templates disagree on rendering it)")
-        spans, method = chat_spans.scan_spans(self, text, messages), "scan"
-        if spans is None:
-            spans, method = chat_spans.verified_spans(self, messages, tools, text), "fallback"
+        spans, method = self.spans_of(text, messages, tools)
         if turns == "last":
             spans = spans[-1:]
         ids, mask = self._tokenize_masked(text, spans)

@@ -330,6 +330,38 @@ def reference_mask(
     return enc.ids, mask, text
 
 
+def reference_tokens(name: str, text: str, spans: list, tok=None) -> tuple[list[int], list[int]]:
+    """(ids, mask) of ``text``: tokens whose characters all lie inside one of ``spans``."""
+    enc = (tok or tokenizer(name)).backend_tokenizer.encode(text, add_special_tokens=False)
+    return enc.ids, [int(s < e and any(a <= s and e <= b for a, b in spans)) for s, e in enc.offsets]
+
+
+def reference_each(name: str, messages: list[dict], tools: list | None = None, tok=None) -> list[tuple]:
+    """The ``turns: each`` sequences by the reference, as (ids, mask, turns): a turn whose place in the full
+    (marked) render is preceded by exactly the prompt the target was given and reads as the final message's
+    generation block is trained in the full sequence; any other turn in prompt + its own generation block."""
+    tok = tok or tokenizer(name)
+    kwargs = MATRIX[name][2]
+    full, spans = reference_render(name, messages, tools)
+    asst = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(spans) == len(asst), "one generation block per assistant message"
+    merged, own = [], []
+    for k, i in enumerate(asst):
+        prompt = tok.apply_chat_template(messages[:i], tools=tools or None, add_generation_prompt=True,
+                                         tokenize=False, **kwargs)  # fmt: skip
+        text, own_spans = reference_render(name, messages[: i + 1], tools)
+        turn = text[own_spans[-1][0] : own_spans[-1][1]]
+        a, b = spans[k]
+        if full[:a] == prompt and full[a:b] == turn:
+            merged.append(k)
+        else:
+            own.append(
+                (*reference_tokens(name, prompt + turn, [(len(prompt), len(prompt) + len(turn))], tok), [k])
+            )
+    head = [(*reference_tokens(name, full, [spans[k] for k in merged], tok), merged)] if merged else []
+    return head + own
+
+
 def tool_call(name: str, args: dict, k: int) -> dict:
     return {"id": f"functions.{name}:{k}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}  # fmt: skip

@@ -56,12 +56,12 @@ def encoders(name: str) -> tuple[chat.ChatEncoder, chat.ChatEncoder]:
 
 
 def outcome(enc: chat.ChatEncoder, messages, tools, turns):
-    """What the encoder decides: the sequences (ids, mask) or ("rejected", reason)."""
+    """What the encoder decides: the sequences (ids, mask, turns) or ("rejected", reason)."""
     try:
         encs = enc.encode_each(messages, tools) if turns == "each" else [enc.encode(messages, tools, turns)]
     except chat.ChatError as e:
         return "rejected", str(e)
-    return [(e.input_ids, e.loss_mask) for e in encs]
+    return [(e.input_ids, e.loss_mask, e.turns) for e in encs]
 
 
 def check(name: str, messages: list[dict], tools: list, turns: str = "all") -> str:
@@ -73,10 +73,9 @@ def check(name: str, messages: list[dict], tools: list, turns: str = "all") -> s
         assert got[1], "a rejection names its reason"
         return "rejected"
     if turns == "each":
-        ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
-        want = [T.reference_mask(name, messages[:n], tools, only_last=True)[:2] for n in ends]
+        want = T.reference_each(name, messages, tools)
     else:
-        want = [T.reference_mask(name, messages, tools, only_last=turns == "last")[:2]]
+        want = [(*T.reference_mask(name, messages, tools, only_last=turns == "last")[:2], None)]
     assert got == [tuple(w) for w in want]
     return "kept"
 
@@ -235,17 +234,32 @@ def test_qwen3_enable_thinking_false_prompt_block_is_not_trained():
     assert check("qwen3_no_thinking", conv, []) == "kept"
 
 
-def test_each_turn_trains_its_own_reasoning_once():
+def test_each_trains_every_turn_once_with_its_reasoning_as_the_target_saw_it():
     conv = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
             {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]  # fmt: skip
     for name in ("kimi", "qwen3", "harmony"):
         fast, _ = encoders(name)
-        seqs = fast.encode_each(conv)
         tok = T.tokenizer(name)
-        trained = [tok.decode([t for t, m in zip(e.input_ids, e.loss_mask, strict=False) if m]) for e in seqs]
-        assert "R1" in trained[0] and "A1" in trained[0] and "R2" in trained[1] and "A1" not in trained[1]
+        seqs = fast.encode_each(conv)
+        assert sorted(k for e in seqs for k in e.turns) == [0, 1]  # every turn trained exactly once
+        by_turn = {k: e for e in seqs for k in e.turns}
+        first = tok.decode([t for t, m in zip(by_turn[0].input_ids, by_turn[0].loss_mask, strict=True) if m])
+        second = tok.decode([t for t, m in zip(by_turn[1].input_ids, by_turn[1].loss_mask, strict=True) if m])
+        assert "R1" in first and "A1" in first and "R2" in second and "A1" not in second
+        prompt = fast.render(conv[:3], add_generation_prompt=True)  # what the target read before writing A2
+        assert by_turn[1].text.startswith(prompt)
         assert "R1" not in fast.encode(conv).text  # `all` never shows R1: the template drops it
         assert check(name, conv, [], "each") == "kept"
+
+
+def test_each_without_reasoning_is_one_sequence_like_all():
+    for name in ("kimi", "mistral", "llama3", "deepseek_v3"):
+        fast, _ = encoders(name)
+        (seq,) = fast.encode_each(TWO)
+        assert seq.turns == [0, 1] and (seq.input_ids, seq.loss_mask) == (
+            fast.encode(TWO).input_ids, fast.encode(TWO).loss_mask)  # fmt: skip
+    # Qwen3 drops the (empty) think block the model wrote from history turns: that turn gets its own sequence
+    assert [e.turns for e in encoders("qwen3")[0].encode_each(TWO)] == [[1], [0]]
 
 
 # ---------------------------------------------------------------- the toy world's own Kimi-like tokenizer

@@ -211,17 +211,19 @@ def test_turns_each_trains_every_turn_with_its_reasoning_once(world, tmp_path):
                 convs[conv["id"]] = conv
         turns = {cid: [x for x in c["messages"] if x["role"] == "assistant"] for cid, c in convs.items()}
         assert m["kept"] == all_meta["datasets"][name]["kept"] == len(convs)
-        assert m["sequences"] == len(recs) == sum(len(t) for t in turns.values())
+        assert m["sequences"] == len(recs) and len({r["id"] for r in recs}) == len(recs)
+        trained_turns = sorted((r["conversation"], k) for r in recs for k in r["turns"])
+        assert trained_turns == sorted((c, k) for c, t in turns.items() for k in range(len(t)))  # each once
         for rec in recs:
-            msg = turns[rec["conversation"]][rec["turn"]]
             trained = _trained_text(tok, rec)
-            assert rec["id"] == f"{rec['conversation']}#t{rec['turn']}"
-            assert msg["content"] in trained and trained.endswith("<|im_end|>")
-            assert (
-                f"<think>{msg.get('reasoning_content', '')}</think>" in trained
-            )  # its own reasoning, trained
-            others = [x["content"] for k, x in enumerate(turns[rec["conversation"]]) if k != rec["turn"]]
-            assert not any(o and o in trained and o not in msg["content"] for o in others)  # history: mask 0
+            assert rec["id"].startswith(f"{rec['conversation']}#s")
+            for k in rec["turns"]:
+                msg = turns[rec["conversation"]][k]
+                assert msg["content"] in trained and trained.endswith("<|im_end|>")
+                assert f"<think>{msg.get('reasoning_content', '')}</think>" in trained  # its own reasoning
+            mine = [turns[rec["conversation"]][k]["content"] for k in rec["turns"]]
+            others = [x["content"] for k, x in enumerate(turns[rec["conversation"]]) if k not in rec["turns"]]
+            assert not any(o and o in trained and not any(o in c for c in mine) for o in others)  # history: 0
         lens = scan.scan_dataset("A", name, [path], None)
         assert sum(lens.cols["completion"]) == m["trainable_tokens"] == sum(r["n_trainable"] for r in recs)
         assert m["trainable_tokens"] > all_meta["datasets"][name]["trainable_tokens"]  # history reasoning
