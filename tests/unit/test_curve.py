@@ -70,3 +70,12 @@ def test_bootstrap_draws_stay_within_strata_and_pair_drafters():
     assert shifted["diff"] == pytest.approx(1.0) and shifted["measurable"]
     few = curve.diff_interval(num[:, :3] + [[30], [0]], den[:, :3], 0, 1, d[:, :3])
     assert math.isnan(few["lo"]) and not few["measurable"]  # 3 prompts: no interval
+
+
+def test_verdict_flags_a_fit_that_misses_the_full_data_point():
+    steepening = [1.08, 1.26, 1.55, 2.21]  # convex in log tokens: no a - b x^-c passes all four points
+    c = curve.learning_curve(X, *prompt_sums(steepening, noise=0.05), 4.0, [2.0], reps=100, seed=1)
+    v = curve.verdict(c, 0.05)
+    assert v["fit_miss"] > 0.05 and "Caution: the fit misses the largest subset" in v["text"]
+    clean = curve.verdict(curve.learning_curve(X, *prompt_sums(law(X), noise=0.05), 4.0, [2.0], 100, 1), 0.05)
+    assert "Caution" not in clean["text"] and abs(clean["fit_miss"]) < 0.05
