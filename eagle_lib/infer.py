@@ -193,7 +193,7 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
     stats = {"generated": 0, "errors": 0, "generated_tokens": 0, "retries": 0}
     t0 = time.monotonic()
     bar = _progress(p.progress, len(pending), name)
-    engine.on_start = ledger.started
+    engine.on_start, engine.on_progress = ledger.started, ledger.progress
     ledger.start()
     try:
         for item in engine.generate([Request(r["id"], r["prompt_ids"]) for r in pending]):
@@ -223,7 +223,7 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
             )
     finally:
         ledger.close()
-        engine.on_start = None
+        engine.on_start = engine.on_progress = None
         responses.flush()
         errors.flush()
         bar.close()

@@ -46,6 +46,10 @@ class RunState:
     limit: int  # max_new_tokens
     planned: int | None  # prompts this dataset will have answered in all (None: unknown)
     as_of: float  # the moment the state describes
+    in_count: np.ndarray | None = (
+        None  # (k,) tokens an in-flight request had produced at in_count_t (engine's count)
+    )
+    in_count_t: np.ndarray | None = None  # (k,) when (nan: no count)
 
     @property
     def not_started(self) -> int:
@@ -56,10 +60,22 @@ class RunState:
         done = self.end <= t
         was_running = (self.start <= t) & ~done
         keep_in = self.in_start <= t
+        count, count_t = self.counts()
+        count_t = np.where(count_t <= t, count_t, np.nan)[keep_in]  # a count taken after t was not known at t
+        extra = int(was_running.sum())  # requests finished after t: no count recorded while they ran
         return replace(self, completion=self.completion[done], status=self.status[done], start=self.start[done],
                        end=self.end[done], server=self.server[done],
                        in_start=np.concatenate([self.in_start[keep_in], self.start[was_running]]),
-                       in_server=np.concatenate([self.in_server[keep_in], self.server[was_running]]), as_of=t)  # fmt: skip
+                       in_server=np.concatenate([self.in_server[keep_in], self.server[was_running]]), as_of=t,
+                       in_count=np.concatenate([np.where(np.isfinite(count_t), count[keep_in], 0), np.zeros(extra)]),
+                       in_count_t=np.concatenate([count_t, np.full(extra, np.nan)]))  # fmt: skip
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(k,) streamed token counts of the in-flight requests and their times (0, nan where none)."""
+        k = self.in_start.size
+        if self.in_count is None or self.in_count_t is None:
+            return np.zeros(k), np.full(k, np.nan)
+        return self.in_count.astype(np.float64), self.in_count_t.astype(np.float64)
 
 
 def low_rates(s: RunState, quantile: float) -> dict[int, float]:
@@ -81,7 +97,40 @@ def censor_points(s: RunState, quantile: float) -> tuple[np.ndarray, np.ndarray]
     fin = np.floor(r(s.server) * np.maximum(s.as_of - s.start, 0.0))
     fin = np.where(np.isfinite(fin), fin, np.inf)  # unknown start: never censored
     inf = np.floor(r(s.in_server) * np.maximum(s.as_of - s.in_start, 0.0))
+    inf = np.maximum(inf, counted(s, r(s.in_server)))
     return fin, np.minimum(inf, max(s.limit - 1, 0))  # still running: below the limit
+
+
+def counted(s: RunState, rate: np.ndarray) -> np.ndarray:
+    """(k,) lower bounds from the engine's streamed counts: n at t, plus rate x (as_of - t); 0 without a count."""
+    n, t = s.counts()
+    return np.where(
+        np.isfinite(t), np.floor(n + rate * np.maximum(s.as_of - np.nan_to_num(t, nan=s.as_of), 0)), 0
+    )
+
+
+def typical_produced(s: RunState, quantile: float) -> np.ndarray:
+    """(k,) what each in-flight request has typically produced: (elapsed - overhead) / seconds per token.
+
+    Per server, latency = overhead + tokens x seconds-per-token is fitted by least squares over its finished
+    requests (queueing and prefill are the overhead, so long requests are not judged by short ones' rates);
+    with fewer than 10 of them, or a fit that is not increasing, the `quantile` rate x elapsed. Never below the
+    sure lower bound, never at the limit (it would have finished).
+    """
+    low = censor_points(s, quantile)[1]
+    dt, out = s.end - s.start, low.copy()
+    ok = np.isfinite(dt) & (dt > 0)
+    for code in np.unique(s.in_server):
+        mine, srv = s.in_server == code, ok & (s.server == code)
+        if srv.sum() < 10:
+            srv = ok
+        x, y = s.completion[srv].astype(np.float64), dt[srv]
+        if srv.sum() < 10 or np.ptp(x) == 0:
+            continue
+        slope, overhead = np.polyfit(x, y, 1)
+        if slope > 0:
+            out[mine] = np.floor(np.maximum(s.as_of - s.in_start[mine] - max(overhead, 0.0), 0.0) / slope)
+    return np.minimum(np.maximum(out, low), max(s.limit - 1, 0))
 
 
 def groups(s: RunState, c_fin: np.ndarray, c_in: np.ndarray, bins: int = 2048):
@@ -199,7 +248,7 @@ def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 
             "draws": (np.full(reps, base["tokens"]),) * 2}  # fmt: skip
     c_fin, c_in = censor_points(s, quantile)
     values, kinds, counts = groups(s, c_fin, c_in)
-    c_typ = np.maximum(censor_points(s, typical)[1], c_in)  # what an in-flight request has typically produced
+    c_typ = typical_produced(s, typical)  # what an in-flight request has typically produced
     step = max(1, s.limit // 2048)  # in-flight bounds on the groups' grid (floored: still lower bounds)
     c_typ, n_typ = np.unique(c_typ // step * step, return_counts=True)  # (R, distinct) arrays, not (R, k)
     w = rng.multinomial(n + k, counts / counts.sum(), size=reps).astype(np.float64)  # (R, G)

@@ -76,7 +76,8 @@ def run_state(ls: Lengths, limit: int, planned: int | None, as_of: float = 0.0) 
         seen = [x[np.isfinite(x)] for x in (start, end, in_start)]
         as_of = max((float(x.max()) for x in seen if x.size), default=0.0)
     return censored.RunState(a["completion"], a["status"], start, end, np.frombuffer(t["server"], "h"),
-                             in_start, np.frombuffer(f["server"], "h"), limit, planned, as_of)  # fmt: skip
+                             in_start, np.frombuffer(f["server"], "h"), limit, planned, as_of,
+                             np.frombuffer(f["n"], "q"), np.frombuffer(f["n_t"], "d"))  # fmt: skip
 
 
 def _kw(p: Params, reps: int, seed: int) -> dict:

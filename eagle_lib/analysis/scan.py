@@ -58,7 +58,14 @@ class Lengths:
     timing: dict[str, array] = field(
         default_factory=lambda: {"start": array("d"), "end": array("d"), "server": array("h")}
     )
-    in_flight: dict[str, array] = field(default_factory=lambda: {"start": array("d"), "server": array("h")})
+    in_flight: dict[str, array] = field(
+        default_factory=lambda: {
+            "start": array("d"),
+            "server": array("h"),
+            "n": array("q"),
+            "n_t": array("d"),
+        }
+    )  # start, server, and the latest streamed count of tokens produced (n at time n_t; nan: none)
     servers: dict[str, int] = field(default_factory=dict)  # server name -> code in timing / in_flight
 
     def server_code(self, name) -> int:
@@ -229,7 +236,7 @@ def iter_lines(path: Path, block: int) -> Iterator[tuple[int, bytes, bool]]:
             yield lineno + 1, carry, False
 
 
-def _timing(out: Lengths, rec: dict, started: tuple[float, str] | None) -> None:
+def _timing(out: Lengths, rec: dict, started: tuple | None) -> None:
     """Start (ledger, else finished_at - latency), finish (finished_at, else start + latency) and server."""
     lat, fin = rec.get("latency_s"), rec.get("finished_at")
     lat = float(lat) if isinstance(lat, int | float) else _NAN
@@ -296,10 +303,13 @@ def scan_dataset(kind: str, name: str, files: list[Path], think_id: int | None, 
     out.ledger = starts is not None
     for f in files:
         scan_file(f, out, think_id, seen, block, starts)
-    for sid, (t, server) in (starts or {}).items():
+    for sid, (t, server, n_t, n) in (starts or {}).items():
         if sid not in seen:
-            out.in_flight["start"].append(t)
-            out.in_flight["server"].append(out.server_code(server))
+            f = out.in_flight
+            f["start"].append(t)
+            f["server"].append(out.server_code(server))
+            f["n"].append(n)
+            f["n_t"].append(n_t)
     return out
 
 

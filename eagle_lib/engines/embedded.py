@@ -174,6 +174,8 @@ class EmbeddedEngine:
 
     name = "embedded"
     on_start = None  # callable(id, server) or None
+    on_progress = None  # callable([(id, tokens produced so far)]) or None, every `progress_s` while decoding
+    progress_s = 5.0
 
     def __init__(self, model, sampling: Sampling, batch_size: int = 16, max_batch_tokens: int = 16384,
                  max_model_len: int = 0, window_batches: int = 1):  # fmt: skip
@@ -244,7 +246,11 @@ class EmbeddedEngine:
     def _decode(self, queue: deque) -> Iterator[Result]:
         rows: _Rows | None = None
         logits = None  # (rows, V) next-token logits of every row in flight
+        reported = time.monotonic()
         while queue or rows:
+            if self.on_progress and rows and time.monotonic() - reported > self.progress_s:
+                self.on_progress([(r.id, len(o)) for r, o in zip(rows.reqs, rows.outs, strict=True)])
+                reported = time.monotonic()
             refill = rows is None or (len(rows) <= self.batch_size // 2 and rows.mergeable())
             if queue and refill and (new := self._admit(queue, rows)):
                 for r in new if self.on_start else ():

@@ -3,6 +3,8 @@
 One line per request start: {"id", "t" (unix seconds), "server"}. A request started again (an HTTP retry, a
 restart after a crash) gets another line; readers keep the LATEST start of an id, which under-states how long
 it has been running and so keeps "it has produced at least elapsed x rate tokens" a true lower bound.
+Engines that know how far a request has got (the embedded engine) add progress lines {"id", "t", "n"}: it had
+produced n tokens at t (readers keep the latest, and only if it is not older than the latest start).
 
 Durable and cheap: starts are buffered and appended in batches (store.append_jsonl, fsync) by a background
 thread every `seconds`, and before every append of responses (`flush`), so a reader mid-run sees every finished
@@ -52,6 +54,12 @@ class Ledger:
         with self.lock:
             self.buf.append({"id": sample_id, "t": round(time.time(), 3), "server": server})
 
+    def progress(self, counts: list[tuple[str, int]]) -> None:
+        """Record how many tokens each request in flight has produced by now (called from the engine)."""
+        t = round(time.time(), 3)
+        with self.lock:
+            self.buf.extend({"id": sid, "t": t, "n": int(n)} for sid, n in counts)
+
     def flush(self) -> None:
         with self.lock:
             buf, self.buf = self.buf, []
@@ -68,15 +76,17 @@ def ledger_files(ds_dir: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def read_starts(files: list[Path], block: int = 1 << 24) -> dict[str, tuple[float, str]]:
-    """id -> (latest start time, server) over the ledger files; a torn last line is skipped.
+def read_starts(files: list[Path], block: int = 1 << 24) -> dict[str, tuple]:
+    """id -> (latest start time, server, progress time, tokens by then) over the ledger files (progress: nan, 0
+    when none was recorded after that start); a torn last line is skipped.
 
     Streams the bytes (as the 04 scanner does), so a ledger of millions of starts costs a second, not a
     record object per line.
     """
     from eagle_lib.analysis.scan import iter_lines  # the 04 byte-level line reader (tolerant of torn tails)
 
-    out: dict[str, tuple[float, str]] = {}
+    out: dict[str, tuple] = {}
+    nan = float("nan")
     for f in files:
         for lineno, line, ended in iter_lines(f, block):
             text = line.strip()
@@ -90,6 +100,9 @@ def read_starts(files: list[Path], block: int = 1 << 24) -> dict[str, tuple[floa
                     continue  # a torn write (the last line, or a fragment later terminated)
                 raise store.RecordError(f"{f}: line {lineno}: not a ledger record ({e})") from None
             old = out.get(sid)
-            if old is None or t >= old[0]:
-                out[sid] = (t, str(rec.get("server", "")))
+            if "n" in rec:  # progress of the latest start (a progress line never precedes its start)
+                if old is not None and t >= old[0]:
+                    out[sid] = (old[0], old[1], t, int(rec["n"]))
+            elif old is None or t >= old[0]:
+                out[sid] = (t, str(rec.get("server", "")), nan, 0)
     return out

@@ -215,14 +215,19 @@ def test_sigkill_during_the_merge_of_shards(world, tmp_path):
     assert Counter(r["id"] for r in records(run, "a")) == Counter(p["id"] for p in prompts)
 
 
-def test_ledger_of_starts_and_a_seeded_random_order(world, tmp_path):
+def test_ledger_of_starts_and_a_seeded_random_order(world, tmp_path, monkeypatch):
     d, tok = world
     run = make_run(tmp_path, tok, {"a": 24})
+    monkeypatch.setattr(EmbeddedEngine, "progress_s", 0.0)  # a streamed count at every decoding step
     meta = infer.run(config(run, d, batch_size=4))
     cut = meta["finish_reason"].get("length", 0)
     assert infer.answer_text(meta).startswith("**24 of 24 prompts answered** (0 errors) in 1 datasets: ")
     assert ("1 dataset(s) cut at max_new_tokens in > 5%" in infer.answer_text(meta)) == (cut > 0.05 * 24)
-    starts, recs = store.read_jsonl(run / "infer/a/started.jsonl"), records(run, "a")
+    lines, recs = store.read_jsonl(run / "infer/a/started.jsonl"), records(run, "a")
+    starts, counts = [s for s in lines if "n" not in s], [s for s in lines if "n" in s]
+    done = {r["id"]: r for r in recs}
+    assert counts and all(c["n"] < done[c["id"]]["n_output_tokens"] and c["t"] <= done[c["id"]]["finished_at"]
+                          for c in counts)  # fmt: skip
     assert Counter(s["id"] for s in starts) == Counter(r["id"] for r in recs)  # every request started once
     by_id = {s["id"]: s for s in starts}
     assert all(
