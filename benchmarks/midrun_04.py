@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
               f"final {fv['tokens']:8,d} {'inside' if inside else 'OUTSIDE'}  finished-only {r.naive_projected:9,.0f} "
               f"[{r.naive_lo:9,.0f}, {r.naive_hi:9,.0f}]  at limit {lim[0]:.1%} [{lim[1]:.1%}, {lim[2]:.1%}] "
               f"final {fv['share']:.1%}")  # fmt: skip
-    c = res.corpus["completion"]
-    total = sum(v["tokens"] for v in final.values())
-    print(
-        f"corpus trainable (B) tokens {c['projected']:,.0f} [{c['lo']:,.0f}, {c['hi']:,.0f}], final B {total:,d}"
-    )
+    c, a_tokens = res.corpus["completion"], int(res.tokens.trainable_tokens[res.tokens.kind == "A"].sum())
+    total = a_tokens + sum(v["tokens"] for v in final.values())
+    inside = "inside" if c["lo"] <= total <= c["hi"] else "OUTSIDE"
+    print(f"corpus trainable tokens (A measured + B) {c['projected']:,.0f} [{c['lo']:,.0f}, {c['hi']:,.0f}], "
+          f"final {total:,d} {inside}")  # fmt: skip
     print(f"{sum(hits)}/{len(hits)} datasets' final tokens inside their interval")
     print("answer:", res.answer_text)
     v = res.verdicts[res.verdicts.check == "truncation"]
