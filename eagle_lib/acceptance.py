@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from eagle_lib.serving.sampling import Sampler
 
 Method = Literal["none", "ngram", "eagle3"]
+# tqdm.auto (imported by transformers while the target loads) warns on stderr in a kernel without ipywidgets:
+# noise in the executed report
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 
 class Params(params.Strict):

@@ -64,7 +64,7 @@ def test_tau_table_matches_raw_steps(ev):
     meta = store.read_json(ev["dir"] / "meta.json")
     store.check_tally(meta)
     held = {(g["dataset"], g["id"]) for g in gens if g["dataset"] != "mt_bench"}
-    assert meta["kept"] == len(held) and meta["eval_sets"]["mt_bench"]["kept"] == 3
+    assert meta["kept"] == len(held) and meta["eval_sets"]["mt_bench"]["kept"] == 2
 
 
 def test_outputs_equal_hf_greedy(ev):

@@ -28,9 +28,11 @@ TOLERANCE = 0.1
 K = 3
 NEW = 32
 # At T=1 both sides sample (different random streams): the two taus are independent estimates of one mean.
+# The tiny random target is nearly flat at T=1, so top_k 3 (with top_p 0.95) keeps acceptance clearly above 1
+# and exercises both filters on both sides.
 # The test allows Z_MAX standard errors of their difference, sqrt(var/n_offline + var/n_online), with var the
 # per-step variance of (accepted + 1) measured offline, plus the greedy TOLERANCE for kernel differences.
-SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=0)
+SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=3)
 N_SAMPLED_PROMPTS, NEW_SAMPLED, Z_MAX = 24, 48, 4.0
 
 
@@ -172,8 +174,8 @@ def test_vllm_tau_agrees_with_offline_sglang_format(world):
 
 
 def test_vllm_tau_at_temperature_1_agrees_with_offline(world, speculators_server):
-    """Speculative sampling offline and in vLLM (greedy drafts, accept/reject on the target's T=1, top_p 0.95
-    distribution): the same expected tau within the sampling error of both measurements."""
+    """Speculative sampling offline and in vLLM (greedy drafts, accept/reject on the target's T=1, top_p 0.95,
+    top_k 3 distribution): the same expected tau within the sampling error of both measurements."""
     srv = speculators_server
     tau_off, var, n_off = uncut_tau(world["sampled"])
     s = online.Sampling(**SAMPLED)
@@ -186,7 +188,7 @@ def test_vllm_tau_at_temperature_1_agrees_with_offline(world, speculators_server
     greedy_tau = uncut_tau(world["offline"])[0]
     print(f"T=1: vLLM tau {res['tau']:.3f} ({n_on:.0f} steps), offline {tau_off:.3f} ({n_off} steps), "
           f"se {se:.3f}, tolerance {tol:.3f}; greedy offline {greedy_tau:.3f}")  # fmt: skip
-    assert 1.2 < tau_off, f"offline T=1 tau {tau_off:.2f}: the drafter should still accept drafts"
+    assert 1.1 < tau_off, f"offline T=1 tau {tau_off:.2f}: the drafter should still accept drafts"
     assert abs(res["tau"] - tau_off) <= tol, (
         f"vLLM T=1 tau {res['tau']:.3f} vs offline {tau_off:.3f} (±{tol:.3f})"
     )
