@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import random
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -288,8 +289,10 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
     started = time.time()
     where = parse_shard(shard)
     names = dataset_names(cfg)
-    tokenizer = models.load_tokenizer(cfg.shared)
-    engine = make_engine(cfg, tokenizer)
+    with warnings.catch_warnings():  # tqdm's "IProgress not found" (a notebook without ipywidgets) is noise
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        tokenizer = models.load_tokenizer(cfg.shared)
+        engine = make_engine(cfg, tokenizer)
     try:
         probe = engine.check(tokenizer)
     except EngineError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -221,7 +222,9 @@ def resolve_think_id(p: Params, shared, load_tokenizer=None) -> int | None:
         return None
     if load_tokenizer is None:
         from eagle_lib.models import load_tokenizer
-    tok, token = load_tokenizer(shared), p.end_of_thinking_token
+    with warnings.catch_warnings():  # tqdm's "IProgress not found" (a notebook without ipywidgets) is noise
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        tok, token = load_tokenizer(shared), p.end_of_thinking_token
     i = tok.convert_tokens_to_ids(token)
     if not isinstance(i, int) or i == tok.unk_token_id or tok.convert_ids_to_tokens(i) != token:
         raise ValueError(f"end_of_thinking_token {token!r} is not one token of the tokenizer "
