@@ -50,14 +50,15 @@ def test_full_data_point_reproduces_06(val):
     """Same prompts, tokens and drafts as ci's 06: fraction 1.0 (05's drafter) must give 06's eagle3 tau."""
     six = report.read_notebook_metrics(val["run"] / "reports" / "06_eval_acceptance.ipynb")
     full = pd.read_csv(val["dir"] / "curve.csv").set_index("fraction").loc[1.0]
-    shared = [d for d in six["tau_eagle3_by_dataset"] if f"tau_{d}" in full.index]  # 06 adds its eval sets
-    assert len(shared) >= 8
-    for d in shared:  # greedy (T=0) tau per run dataset
+    mine = {c[4:] for c in full.index if c.startswith("tau_") and c != "tau_all"}
+    assert len(mine) >= 5 and mine <= set(six["tau_eagle3_by_dataset"])  # 06 adds its own eval sets
+    for d in mine:  # greedy (T=0) tau per run dataset
         assert full[f"tau_{d}"] == pytest.approx(six["tau_eagle3_by_dataset"][d], abs=1e-9), d
 
 
 def test_original_responses_are_the_raw_datasets(val):
-    """The 'original' arm's label text is the raw ShareGPT row's first gpt answer (read here with json)."""
+    """The 'original' arm's label text is the raw ShareGPT row's first answer after a human turn (gpt, bard,
+    chatgpt...: read here with json)."""
     from eagle_lib import models
     from eagle_lib.data import subsets
     from eagle_lib.params import SharedParams
@@ -68,10 +69,12 @@ def test_original_responses_are_the_raw_datasets(val):
     seqs, tally = subsets.original_sequences(run, "sharegpt", ids, tok, 1024)
     assert seqs and tally["kept"] == len(seqs)
     raw = models.resolve("toy://data/sharegpt")
-    rows = [json.loads(line) for line in open(raw)]
+    lines = open(raw).read().splitlines()  # the toy file holds malformed rows too: parse only the used ones
     for s in seqs[:5]:
-        row = rows[int(s.id.split(":")[1]) - 1]
-        first_gpt = next(t["value"] for t in row["conversations"] if t["from"] == "gpt")
+        row = json.loads(lines[int(s.id.split(":")[1]) - 1])
+        turns = row["conversations"]
+        start = next(i for i, t in enumerate(turns) if t["from"] in ("human", "user"))
+        first_gpt = next(t["value"] for t in turns[start:] if t["from"] not in ("human", "user", "system"))
         labels = tok.decode([t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
         assert first_gpt.strip()[:40] in labels
     regen = pd.read_csv(val["dir"] / "regen.csv")
