@@ -55,6 +55,9 @@ class Lengths:
     duplicates: int = 0  # lines whose id came earlier
     bytes_read: int = 0
     ledger: bool = False  # 03 kept a ledger of started requests for this dataset
+    restarted: int = (
+        0  # requests in flight that were started more than once (their earlier attempt not counted)
+    )
     timing: dict[str, array] = field(
         default_factory=lambda: {"start": array("d"), "end": array("d"), "server": array("h")}
     )
@@ -299,12 +302,13 @@ def scan_dataset(kind: str, name: str, files: list[Path], think_id: int | None, 
     from eagle_lib.engines.ledger import read_starts
 
     out, seen = Lengths(kind, name), set()
-    starts = read_starts(ledgers, block) if ledgers else None
+    starts, restarted = read_starts(ledgers, block) if ledgers else (None, set())
     out.ledger = starts is not None
     for f in files:
         scan_file(f, out, think_id, seen, block, starts)
     for sid, (t, server, n_t, n) in (starts or {}).items():
         if sid not in seen:
+            out.restarted += sid in restarted
             f = out.in_flight
             f["start"].append(t)
             f["server"].append(out.server_code(server))

@@ -107,6 +107,10 @@ def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths
         out += [("warn", ls.kind, ls.name, *c[:3], c[4]) for c in _dataset_checks(row, peers, p) if c[3]
                 and c[0] not in skip]  # fmt: skip
         out += _live_checks(ls.name, live, p) if live else []
+        if live and ls.restarted:
+            out.append(("warn", "B", ls.name, "restarted_in_flight", ls.restarted, 0, f"{ls.restarted} request(s) in "
+                        "flight were started again (03 interrupted and resumed, or retried): the time of their earlier "
+                        "attempt is not counted, so until they finish the estimate leans short (the interval too)"))  # fmt: skip
         if ls.kind == "B" and not ls.ledger and ls.name in unfinished:
             out.append(("warn", "B", ls.name, "no_ledger", row["n"], 0, "03 kept no ledger of started requests "
                         "(a run made before it did): mid-run estimates count finished responses only and may be "

@@ -76,9 +76,9 @@ def ledger_files(ds_dir: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def read_starts(files: list[Path], block: int = 1 << 24) -> dict[str, tuple]:
-    """id -> (latest start time, server, progress time, tokens by then) over the ledger files (progress: nan, 0
-    when none was recorded after that start); a torn last line is skipped.
+def read_starts(files: list[Path], block: int = 1 << 24) -> tuple[dict[str, tuple], set[str]]:
+    """(id -> (latest start time, server, progress time, tokens by then), ids started more than once) over the
+    ledger files (progress: nan, 0 when none was recorded after that start); a torn last line is skipped.
 
     Streams the bytes (as the 04 scanner does), so a ledger of millions of starts costs a second, not a
     record object per line.
@@ -86,6 +86,7 @@ def read_starts(files: list[Path], block: int = 1 << 24) -> dict[str, tuple]:
     from eagle_lib.analysis.scan import iter_lines  # the 04 byte-level line reader (tolerant of torn tails)
 
     out: dict[str, tuple] = {}
+    restarted: set[str] = set()  # ids started more than once (an HTTP retry, or 03 interrupted and resumed)
     nan = float("nan")
     for f in files:
         for lineno, line, ended in iter_lines(f, block):
@@ -105,4 +106,6 @@ def read_starts(files: list[Path], block: int = 1 << 24) -> dict[str, tuple]:
                     out[sid] = (old[0], old[1], t, int(rec["n"]))
             elif old is None or t >= old[0]:
                 out[sid] = (t, str(rec.get("server", "")), nan, 0)
-    return out
+                if old is not None:
+                    restarted.add(sid)
+    return out, restarted

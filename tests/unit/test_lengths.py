@@ -472,6 +472,12 @@ def test_mid_run_files_with_a_ledger_give_censored_estimates_that_cover_the_fina
     store.write_json(
         tmp_path / "data/B/reasoning/meta.json", {"read": 240, "kept": 240, "dropped": {}, "rejected": 0}
     )
+    restart = {
+        "id": "reasoning-run0",
+        "t": snap.as_of - 1.0,
+        "server": "s0",
+    }  # one in-flight request started again
+    store.append_jsonl(tmp_path / "infer/reasoning/started.jsonl", [restart])
     shared = params.SharedParams(max_new_tokens=snap.limit, num_workers=1)
     p = Params(end_of_thinking_token="", bootstrap_reps=400, timeline_points=4)
     res = lengths.run(params.StageConfig("04_length_analysis", tmp_path, shared, p))
@@ -487,6 +493,7 @@ def test_mid_run_files_with_a_ledger_give_censored_estimates_that_cover_the_fina
     assert trunc.level == "warn" and "raise max_new_tokens" in trunc.message and "in flight" in trunc.message
     lo, hi = res.estimates["reasoning"]["share_at_limit"][1:]
     assert lo <= run.truth["share_at_limit"] <= hi
+    assert res.verdicts.set_index("check").loc["restarted_in_flight", "value"] == 1
     tl = res.timeline
     assert len(tl) == 4 and tl.tokens_est.iloc[-1] == pytest.approx(row.projected, rel=0.02)
     assert (
