@@ -179,6 +179,12 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
+def split_key(rec: dict) -> str:
+    """What the held-out split hashes: the conversation of a ``turns: each`` sequence (all of one conversation's
+    sequences land on the same side), else the record id."""
+    return str(rec.get("conversation") or rec["id"])
+
+
 def is_heldout(sample_id: str, percent: float) -> bool:
     """Deterministic held-out split by id hash: the same id is held out in every stage and run."""
     h = int.from_bytes(hashlib.sha256(str(sample_id).encode()).digest()[:8], "big")

@@ -113,7 +113,7 @@ def load_sequences(
         if keep is not None and not keep(ids):
             tally.drop("no_hidden_dump")
             continue
-        heldout = store.is_heldout(sid, heldout_percent)
+        heldout = store.is_heldout(store.split_key(rec), heldout_percent)
         bucket, cap = (held, max_eval) if heldout else (train, max_train)
         if cap and len(bucket) >= cap:
             tally.drop("over_max_eval_samples" if heldout else "over_max_train_samples")

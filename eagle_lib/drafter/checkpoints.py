@@ -131,13 +131,11 @@ def load_best(out: Path, fp: str, drafter) -> int | None:
 
 def export_final(cfg, out: Path) -> dict[str, str]:
     """drafter/export/{sglang,speculators} from final/ (`eagle_lib.serving.export`); format -> path."""
-    from transformers import AutoConfig
-
     from eagle_lib import models
     from eagle_lib.serving import export
 
     p, verifier = cfg.stage, models.resolve(cfg.shared.target)
-    arch = AutoConfig.from_pretrained(verifier, trust_remote_code=cfg.shared.trust_remote_code).architectures
+    arch = models.load_config(cfg.shared.target, cfg.shared.trust_remote_code).architectures
     paths = export.export_all(
         load_drafter(out / "final"),
         out / "export",

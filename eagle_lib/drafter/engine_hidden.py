@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib import store
+from eagle_lib import models, store
 from eagle_lib.drafter import batches, checkpoints, distributed, hidden
 from eagle_lib.drafter import hidden_buffer as hb
 
@@ -38,7 +38,7 @@ def layer_ids(aux_layers: list[int], n_layers: int) -> list[int]:
     bad = [i for i in aux_layers if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"aux layers {bad} outside the target's {n_layers} decoder layers")
-    return sorted({i + 1 for i in aux_layers} | {n_layers})
+    return sorted(set(models.layer_ids(aux_layers, "vllm")) | {n_layers})
 
 
 def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], int]:
@@ -247,11 +247,10 @@ class VllmHidden:
 
 def make_source(cfg, device, hf_config, fingerprint: str):
     """Stage 05's `vllm` source: (VllmHidden, embedding (V, H), lm_head, None) from the stage config."""
-    from eagle_lib import models
     from eagle_lib.drafter.model import Eagle3Config
 
     p = cfg.stage
-    text = hf_config.get_text_config()
+    text = models.text_config(hf_config)
     aux = list(p.aux_layers or Eagle3Config.from_target_config(hf_config, 1).aux_layers)
     ids = layer_ids(aux, text.num_hidden_layers)
     out = cfg.out("drafter")

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from eagle_lib import models
+
 
 def width_error(got: int, target_hidden: int, where: str) -> str:
     """The message for a feature whose width is not 3 x the target's hidden size."""
@@ -46,7 +48,7 @@ def seq_key(ids) -> str:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's list of decoder layers (Llama-like, Deepseek/Kimi, multimodal wrappers)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = models.text_config(model.config)
     n = cfg.num_hidden_layers
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) == n and name.endswith("layers"):
@@ -146,7 +148,7 @@ def load_target_tensors(target: str, patterns: dict[str, list[str]]) -> dict[str
 
 def load_target_head(target: str, hf_config) -> TargetHead:
     """TargetHead from the target's safetensors (final norm + lm_head only)."""
-    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    cfg = models.text_config(hf_config)
     t = load_target_tensors(target, {"norm": ["model.norm.weight"], "lm_head": ["lm_head.weight"]})
     return TargetHead(t["norm"], t["lm_head"], getattr(cfg, "rms_norm_eps", 1e-6))
 

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_lib import models
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "drafter_config.json"
 
@@ -66,7 +68,7 @@ class Eagle3Config:
     @classmethod
     def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None):
         """A drafter as wide as the target; aux layers default to [1, L//2-1, L-4] (0-based decoder layers)."""
-        cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        cfg = models.text_config(hf_config)
         n_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
         heads = cfg.num_attention_heads
         mla = hasattr(cfg, "kv_lora_rank") or hasattr(cfg, "qk_rope_head_dim")

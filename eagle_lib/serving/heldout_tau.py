@@ -45,7 +45,7 @@ def heldout_prompts(run_dir: str | Path, percent: float, per_dataset: int, max_p
         for n, rec in enumerate(store.iter_jsonl(f), 1):
             tally["read"] += 1
             try:
-                held = store.is_heldout(rec["id"], percent)
+                held = store.is_heldout(store.split_key(rec), percent)
                 ids = (_a_prompt(rec) if kind == "A" else list(rec["prompt_ids"])) if held else None
             except (KeyError, TypeError) as e:
                 raise store.RecordError(f"{f}: record {n} (id {rec.get('id')!r}): malformed, {e!r}") from None

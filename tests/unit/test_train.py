@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_lib import store, train
-from eagle_lib.drafter import batches, ttt
+from eagle_lib.drafter import batches, trainer, ttt
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, load_drafter
 from tests.support import eagle_tiny
 
@@ -215,7 +215,7 @@ def test_resume_continues_the_same_run(world, tmp_path):
 def test_nan_guard_skips_then_aborts(world, tmp_path, monkeypatch):
     root, _ = world
     run = copy_run(world, tmp_path / "nan")
-    real = train._micro_step
+    real = trainer._micro_step
     calls = {"n": 0}
 
     def poisoned(model, source, batch, *a):
@@ -223,13 +223,13 @@ def test_nan_guard_skips_then_aborts(world, tmp_path, monkeypatch):
         nan_source = (lambda b: tuple(x * math.nan for x in source(b))) if calls["n"] in (2,) else source
         return real(model, nan_source, batch, *a)
 
-    monkeypatch.setattr(train, "_micro_step", poisoned)
+    monkeypatch.setattr(trainer, "_micro_step", poisoned)
     train.run(eagle_tiny.stage_config(run, root / "target", max_steps=3, checkpoint_every=100))
     log = store.read_jsonl(run / "drafter/train_log.jsonl")
     assert [r["skipped"] for r in log] == [False, True, False]
     calls["n"] = 0
     monkeypatch.setattr(
-        train, "_micro_step", lambda m, s, b, *a: real(m, lambda x: tuple(y * math.nan for y in s(x)), b, *a)
+        trainer, "_micro_step", lambda m, s, b, *a: real(m, lambda x: tuple(y * math.nan for y in s(x)), b, *a)
     )
     with pytest.raises(FloatingPointError, match="consecutive"):
         train.run(eagle_tiny.stage_config(run, root / "target", max_steps=5, max_bad_steps=1, resume=False))
