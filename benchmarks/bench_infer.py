@@ -21,7 +21,8 @@ import time
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
+from eagle_lib.engines.base import Request, Sampling
+from eagle_lib.engines.embedded import EmbeddedEngine
 
 
 def load_prompts(path: str, n: int, tokenizer, seed: int = 0) -> list[Request]:

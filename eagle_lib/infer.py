@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_lib import models, params, store
-from eagle_lib.engines.embedded import EmbeddedEngine, EngineError, Failure, Request, Result, Sampling
+from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
 from eagle_lib.engines.ledger import NAME as LEDGER
 from eagle_lib.engines.ledger import Ledger
 from eagle_lib.engines.resume import InferError, Resume, Writer, error_ids, merge_shards, target_identity
@@ -149,6 +149,8 @@ def make_engine(cfg: params.StageConfig, tokenizer):
 
     if p.engine == "embedded":
         import torch
+
+        from eagle_lib.engines.embedded import EmbeddedEngine
 
         if models.pick_device(shared.device).type == "cpu":
             torch.set_num_threads(models.num_workers(shared.num_workers))

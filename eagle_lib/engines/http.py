@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import aiohttp
 
-from eagle_lib.engines.embedded import EngineError, Failure, Request, Result, Sampling
+from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà vu, 東京, ```code```."
 

@@ -84,7 +84,8 @@ class StandIn:
         return act
 
     def run_model(self, ids: list[int], sp: dict, seed: int) -> tuple[list[int], str]:
-        from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
+        from eagle_lib.engines.base import Request, Sampling
+        from eagle_lib.engines.embedded import EmbeddedEngine
 
         s = Sampling(
             float(sp.get("temperature", 1.0)),

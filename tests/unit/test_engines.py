@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_lib.engines.embedded import (
-    EmbeddedEngine,
-    EngineError,
-    Failure,
-    Request,
-    Result,
-    Sampling,
-    _pick_tokens,
-)
+from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
+from eagle_lib.engines.embedded import EmbeddedEngine, _pick_tokens
 from eagle_lib.engines.http import OpenAIEngine, SGLangEngine
 from tests.support import models as tiny_models
 from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key

@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from eagle_lib import infer, params, store
-from eagle_lib.engines.embedded import EmbeddedEngine, Request, Sampling
+from eagle_lib.engines.base import Request, Sampling
+from eagle_lib.engines.embedded import EmbeddedEngine
 from eagle_lib.pipeline import REPO_ROOT
 from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
 from tests.support.tiny import build_world, make_prompts

@@ -1,0 +1,189 @@
+"""07_data_value's studies (`eagle_lib.value` is the stage: params and entry point): drafters trained with 05's
+recipe on subsets (learning curve, leave-one-dataset-out, regenerated vs original responses) and decoded on the
+held-out prompts; cached by what they were trained on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from eagle_lib import models, params, store
+from eagle_lib.analysis import curve as curves
+from eagle_lib.analysis import value_tables as tables
+from eagle_lib.data import subsets
+from eagle_lib.drafter import batches, retrain
+from eagle_lib.serving import heldout_tau
+
+STAGE = "07_data_value"
+_TRAINING_SHARED = {
+    "target",
+    "tokenizer",
+    "trust_remote_code",
+    "seed",
+    "heldout_percent",
+}  # what the key holds
+
+
+class Study:
+    """Trains (or reuses) drafters on subsets and decodes the held-out prompts with each."""
+
+    def __init__(self, cfg: params.StageConfig):
+        self.cfg, self.out = cfg, cfg.out("value")
+        self.recipe, shared05 = retrain.load_recipe(cfg.run_dir)
+        if shared05.heldout_percent != cfg.shared.heldout_percent or shared05.seed != cfg.shared.seed:
+            raise params.ParamsError(
+                f"{STAGE}: heldout_percent/seed ({cfg.shared.heldout_percent}, {cfg.shared.seed}) differ from "
+                f"the ones 05 trained with ({shared05.heldout_percent}, {shared05.seed}) in {cfg.run_dir}/drafter"
+            )
+        self.unknown_recipe_keys = retrain.unknown_keys(self.recipe)
+        self.trainer = retrain.Trainer(self.recipe, cfg.shared)
+        self.train_seqs, held, self.seq_tally = self.trainer.sequences(cfg.run_dir, max_eval=0)
+        self.names = subsets.dataset_of(cfg.run_dir)
+        self.groups = subsets.by_dataset(self.train_seqs, self.names, cfg.shared.seed)
+        self.total = subsets.tokens(self.train_seqs)
+        per_epoch = batches.BatchStream(
+            self.train_seqs, self.recipe["pack_len"], self.recipe["rows_per_batch"], 0
+        ).per_epoch
+        self.steps05 = retrain.full_steps(self.recipe, per_epoch)
+        self.decoder = self._decoder(cfg, held)
+        self.arms: dict[str, dict] = {}
+        self.sums_file = self.out / "sums.json"
+        self.cached_sums = store.read_json(self.sums_file) if self.sums_file.exists() else {}
+
+    def _decoder(self, cfg: params.StageConfig, held: list) -> heldout_tau.Decoder:
+        """Offline decoding of 06's held-out prompts, or the teacher-forced chain tau of held-out sequences."""
+        p = cfg.stage
+        if p.tau_source == "ttt":
+            by_ds: dict[str, list] = {}
+            for s in held:
+                by_ds.setdefault(self.names[s.id], []).append(s)
+            kept = [(s, d) for d, v in sorted(by_ds.items()) for s in v[: p.max_prompts_per_dataset]]
+            n = sum(len(v) for v in by_ds.values())
+            self.prompt_tally = {
+                "read": n,
+                "kept": len(kept),
+                "dropped": {"over_cap": n - len(kept)},
+                "rejected": 0,
+            }
+            return heldout_tau.TeacherForced(
+                self.trainer, [s for s, _ in kept], [d for _, d in kept], p.num_steps
+            )
+        prompts, self.prompt_tally = heldout_tau.heldout_prompts(
+            cfg.run_dir, cfg.shared.heldout_percent, p.max_prompts_per_dataset, p.max_prompt_tokens
+        )
+        target = getattr(self.trainer.source, "model", None) or models.load_target(cfg.shared)
+        eos = heldout_tau.stop_ids(models.load_tokenizer(cfg.shared), target)
+        return heldout_tau.Decoder(target, prompts, p.eval_max_new_tokens, p.num_steps, eos)
+
+    def schedule(self, seqs: list) -> tuple[int, int]:
+        """(steps, warmup) for an arm: proportional to its tokens or 05's, times step_scale."""
+        p, r = self.cfg.stage, self.recipe
+        share = subsets.tokens(seqs) / self.total if p.steps == "proportional" else 1.0
+        steps = max(1, round(self.steps05 * share * p.step_scale))
+        return steps, min(steps, round(r["warmup_steps"] * steps / self.steps05))
+
+    def key(self, seqs: list, steps: int, warmup: int) -> str:
+        ids = sorted(s.id + ":" + store.stable_hash(s.input_ids) for s in seqs)
+        shared = self.cfg.shared.model_dump(include=_TRAINING_SHARED)
+        return store.stable_hash({"recipe": self.recipe, "shared": shared, "ids": ids, "s": (steps, warmup)})
+
+    def arm(self, name: str, study: str, seqs: list, reuse_dir: Path | None = None) -> dict:
+        """Train (or load) the drafter of one arm and decode the held-out prompts with it."""
+        from eagle_lib.drafter.model import load_drafter, save_drafter
+
+        steps, warmup = self.schedule(seqs)
+        key, t0 = self.key(seqs, steps, warmup), time.time()
+        ddir = self.out / "drafters" / key
+        if reuse_dir is not None:
+            drafter, how = load_drafter(reuse_dir, device=self.trainer.device), "05's final drafter"
+        elif (ddir / "model.safetensors").exists():
+            drafter, how = load_drafter(ddir, device=self.trainer.device), "cached"
+        else:
+            drafter, log = self.trainer.train(seqs, steps, warmup)
+            save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
+            how = "trained"
+        eval_key = store.stable_hash(
+            {"d": key if reuse_dir is None else str(reuse_dir), "e": self._eval_id()}
+        )
+        sums = self.decoder.add(name, drafter, self.cached_sums.get(eval_key))
+        self.cached_sums[eval_key] = sums
+        info = {
+            "arm": name, "study": study, "sequences": len(seqs), "tokens": subsets.tokens(seqs),
+            "label_tokens": sum(sum(s.loss_mask) for s in seqs), "steps": steps, "drafter": how, "key": key,
+            "seconds": time.time() - t0,
+        }  # fmt: skip
+        self.arms[name] = info
+        tau = self.decoder.sums.tau(name)
+        print(
+            f"[{STAGE}] {name}: {how}, {steps} steps on {info['tokens']} tokens, tau {tau:.3f} ({info['seconds']:.0f} s)"
+        )
+        return info
+
+    def _eval_id(self) -> dict:
+        d = self.decoder
+        src = self.cfg.stage.tau_source
+        return {
+            "prompts": [(q.dataset, q.id) for q in d.prompts],
+            "n": d.max_new_tokens,
+            "k": d.k,
+            "src": src,
+        }
+
+    def save_sums(self) -> None:
+        store.write_json(self.sums_file, self.cached_sums)
+
+
+def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
+    fr = sorted(set(p.fractions))
+    reuse = st.recipe.get("final_checkpoint", "last") == "last" and p.step_scale == 1.0 and p.reuse_05_drafter
+    for f in fr:
+        final = st.cfg.out("drafter", "final")
+        st.arm(
+            f"{f:g}", "curve", subsets.fraction_subset(st.groups, f), final if f == 1.0 and reuse else None
+        )
+    names = [f"{f:g}" for f in fr]
+    num, den = st.decoder.sums.rows(names)
+    x = np.array([st.arms[n]["tokens"] for n in names]) / st.total
+    draws = st.decoder.sums.datasets
+    c = curves.learning_curve(
+        x, num, den, p.num_steps + 1, p.multipliers, p.bootstrap_reps, st.cfg.shared.seed, draws
+    )
+    return tables.curve_table(st, names), c
+
+
+def lodo(st: Study, p) -> pd.DataFrame:
+    units = p.lodo_units or {d: [d] for d in st.groups}
+    missing = sorted({d for ds in units.values() for d in ds} - set(st.groups))
+    if missing:
+        raise params.ParamsError(f"{STAGE}: lodo_units name datasets with no training data: {missing}")
+    budget = round(p.lodo_fraction * st.total)
+    ref = f"lodo:all@{p.lodo_fraction:g}"
+    st.arm(ref, "lodo", subsets.fraction_subset(st.groups, p.lodo_fraction))
+    for u, ds in units.items():
+        st.arm(f"lodo:-{u}", "lodo", subsets.leave_out(st.groups, set(ds), budget))
+    return tables.value_table(st, ref, {u: f"lodo:-{u}" for u in units}, units, p)
+
+
+def regen(st: Study, p) -> tuple[pd.DataFrame, dict]:
+    tok = models.load_tokenizer(st.cfg.shared)
+    regen, orig, tally = [], [], {}
+    for ds in [d for d in p.original_datasets if d in st.groups]:
+        seqs = {s.id: s for s in subsets.prefix(st.groups[ds], p.regen_fraction)}
+        o, tally[ds] = subsets.original_sequences(
+            st.cfg.run_dir, ds, set(seqs), tok, st.recipe["max_seq_len"]
+        )
+        if st.trainer.keep is not None:  # offline dumps: an original response needs its own dump too
+            tally[ds]["no_hidden_dump"] = sum(not st.trainer.keep(s.input_ids) for s in o)
+            o = [s for s in o if st.trainer.keep(s.input_ids)]
+        regen += [seqs[s.id] for s in o]
+        orig += o
+    if not orig:
+        return pd.DataFrame(), tally
+    regen, orig = subsets.equalize(regen, orig, st.cfg.shared.seed)
+    st.arm("regenerated", "regen", regen)
+    st.arm("original", "regen", orig)
+    return tables.pair_table(st, "regenerated", "original", p), tally
