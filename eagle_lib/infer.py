@@ -279,11 +279,8 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
         "duplicates_ignored": dups, "set_aside": moved, **stats, "engine": engine.name, "target": identity, "sampling": engine.sampling.record(),
         "stop_token_ids": list(engine.sampling.stop_token_ids), "shard": f"{shard[0]}/{shard[1]}" if shard else None,
         "input": {"path": str(src), "sha256": file_sha256(src)}, "params": p.model_dump(mode="json"),
-        "started": started, "finished": time.time(), "seconds": round(time.time() - started, 3),
     }  # fmt: skip
-    store.check_tally(meta, str(out_dir / "meta.json"))
-    store.write_json(out_dir / "meta.json", meta)
-    return meta
+    return store.write_meta(out_dir, meta, started, tally=True)
 
 
 def run(cfg: params.StageConfig, shard: str = "") -> dict:
@@ -308,7 +305,7 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
         "tokens_per_s": round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 2),
         "finish_reason": dict(sum((Counter(m["finish_reason"]) for m in metas.values()), Counter())),
         "params": cfg.stage.model_dump(mode="json"), "shared": cfg.shared.model_dump(mode="json"),
-        "started": started, "finished": time.time(), "seconds": round(time.time() - started, 3),
+        "started": store.now_iso(started), "finished": store.now_iso(), "seconds": round(time.time() - started, 3),
     }  # fmt: skip
     store.check_tally(meta, "infer/meta.json")
     too_many = total["rejected"] > cfg.stage.max_error_fraction * total["read"]

@@ -14,16 +14,15 @@ assistant turn, a run of mask ones), answer = the rest. A repeated id counts onc
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from eagle_lib import store
 from eagle_lib.analysis.projection import b_plan as b_plan  # re-exported: the projection's API
 from eagle_lib.analysis.projection import bootstrap_remaining as bootstrap_remaining
 from eagle_lib.analysis.projection import projection, timeline
@@ -33,7 +32,7 @@ from eagle_lib.analysis.scan import scan_file as scan_file
 from eagle_lib.analysis.scan import scan_record as scan_record
 from eagle_lib.analysis.scan import scan_response as scan_response
 from eagle_lib.params import Strict
-from eagle_lib.store import check_tally, write_json
+from eagle_lib.store import write_json
 
 QUANTILES = (10, 50, 90, 99)
 VIEWS = {  # the answering columns of the wide tables shown in the notebook
@@ -233,20 +232,14 @@ def resolve_think_id(p: Params, shared, load_tokenizer=None) -> int | None:
 
 
 def _write_csv(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    store.write_atomic(path, lambda tmp: df.to_csv(tmp, index=False))
 
 
 def run(cfg) -> LengthReport:
     """Stage 04: scan, tabulate, project, judge, plot; writes analysis/ (meta.json last). Inputs are read only."""
     from eagle_lib.analysis.verdicts import make_figures, verdicts
 
-    t0, started = time.time(), _now()
+    t0 = time.time()
     p, run_dir = cfg.stage, Path(cfg.run_dir)
     out = run_dir / "analysis"
     think_id = resolve_think_id(p, cfg.shared)
@@ -274,7 +267,5 @@ def run(cfg) -> LengthReport:
               for (k, n, fs, _), ls in zip(sources, lengths, strict=True)}  # fmt: skip
     meta = dict(read=read, kept=read - torn - dups, dropped=dropped, rejected=0, inputs=inputs)
     meta |= dict(params=p.model_dump(mode="json"), shared=cfg.shared.model_dump(mode="json"), end_of_thinking_id=think_id)  # fmt: skip
-    meta |= dict(started=started, finished=_now(), seconds=round(time.time() - t0, 2))
-    check_tally(meta, str(out / "meta.json"))
-    write_json(out / "meta.json", meta)
+    store.write_meta(out, meta, t0, tally=True)
     return result

@@ -194,12 +194,9 @@ class DatasetOutput:
             "sequences": self.counts["sequences"],  # records written (turns: each writes several per row)
             "reject_reasons": dict(self.reject_reasons),
             "fingerprint": self.key,
-            "started": self.started,
-            "finished": time.time(),
-            "seconds": round(time.time() - self.started, 3),
         } | extra
         store.check_tally(meta, str(self.final / "meta.json"))
-        store.write_json(self.tmp / "meta.json", meta)
+        meta = store.write_meta(self.tmp, meta, self.started)
         shutil.rmtree(self.final, ignore_errors=True)
         os.replace(self.tmp, self.final)
         try:
@@ -250,14 +247,10 @@ def finish_stage(
             "params": cfg.stage.model_dump(mode="json"),
             "shared": cfg.shared.model_dump(mode="json"),
             "status": "failed" if failed else "ok",
-            "started": started,
-            "finished": time.time(),
-            "seconds": round(time.time() - started, 3),
         }
         | (extra or {})
     )
-    store.check_tally(meta, str(root / "meta.json"))
-    store.write_json(root / "meta.json", meta)
+    meta = store.write_meta(root, meta, started, tally=True)
     if failed:
         raise StageFailed(f"{cfg.name} failed:\n" + "\n".join(failed))
     return meta
