@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -140,53 +139,14 @@ class Eval:
 
 
 # --- held-out prompts ---------------------------------------------------------------------------------
-def a_prompt_ids(rec: dict, mode: str) -> list[int] | None:
-    """Prompt of an A record: tokens before the first / the last run of loss-masked tokens (None if none)."""
-    mask = rec["loss_mask"]
-    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-    start = (starts[0] if mode == "first_turn" else starts[-1]) if starts else 0
-    return list(rec["input_ids"][:start]) if start else None
+a_prompt_ids = evalsets.a_prompt_ids  # kept as acceptance's API
 
 
 def heldout_prompts(run_dir: Path, percent: float, p: Params) -> tuple[dict[str, list[Prompt]], dict]:
-    """Held-out prompts per dataset (A records and B prompts whose id is held out), capped; and the tally."""
-    files = sorted((run_dir / "data" / "A").glob("*/records.jsonl")) + sorted(
-        (run_dir / "data" / "B").glob("*/prompts.jsonl")
+    """Held-out prompts per dataset, capped (`evalsets.heldout_prompts`, which 07 decodes too); and the tally."""
+    return evalsets.heldout_prompts(
+        run_dir, percent, p.max_prompts_per_dataset, p.max_prompt_tokens, p.a_prompt
     )
-    names = [f.parent.name for f in files]
-    out, tally = {}, {"read": 0, "kept": 0, "dropped": Counter(), "rejected": 0}
-    for f in files:
-        kind, ds = f.parent.parent.name, f.parent.name
-        label = ds if names.count(ds) == 1 else f"{kind}/{ds}"
-        for n, rec in enumerate(store.iter_jsonl(f), 1):
-            tally["read"] += 1
-            try:
-                why = _keep(rec, kind, percent, p, out.setdefault(label, []))
-            except (KeyError, TypeError, IndexError) as e:
-                raise store.RecordError(f"{f}: record {n} (id {rec.get('id')!r}): malformed, {e!r}") from None
-            if why:
-                tally["dropped"][why] += 1
-            else:
-                out[label].append(Prompt(str(rec["id"]), label, _prompt_of(rec, kind, p)))
-                tally["kept"] += 1
-    tally["dropped"] = dict(tally["dropped"])
-    return {k: v for k, v in out.items() if v}, tally
-
-
-def _prompt_of(rec: dict, kind: str, p: Params) -> list[int] | None:
-    return a_prompt_ids(rec, p.a_prompt) if kind == "A" else list(rec["prompt_ids"])
-
-
-def _keep(rec: dict, kind: str, percent: float, p: Params, kept: list) -> str | None:
-    """None to keep the record, else the reason it is dropped."""
-    if not store.is_heldout(rec["id"], percent):
-        return "not_heldout"
-    ids = _prompt_of(rec, kind, p)
-    if not ids:
-        return "no_prompt"
-    if len(ids) > p.max_prompt_tokens:
-        return "too_long"
-    return "over_cap" if len(kept) >= p.max_prompts_per_dataset else None
 
 
 def eval_set_prompts(p: Params, tokenizer) -> tuple[dict[str, list[Prompt]], dict]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from eagle_lib import params
+from eagle_lib import params, store
 from eagle_lib.data import formats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -140,3 +140,50 @@ def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], di
             f"(read {n_read} rows)"
         )
     return out, {"read": n_read, "kept": len(out), "dropped": dict(dropped), "rejected": 0}
+
+
+# --- the run's own held-out prompts (06 and 07 decode the same ones) ---------------------------------------
+def a_prompt_ids(rec: dict, mode: str) -> list[int] | None:
+    """Prompt of an A record: tokens before the first / the last run of loss-masked tokens (None if none)."""
+    mask = rec["loss_mask"]
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    start = (starts[0] if mode == "first_turn" else starts[-1]) if starts else 0
+    return list(rec["input_ids"][:start]) if start else None
+
+
+def heldout_prompts(
+    run_dir: str | Path, percent: float, per_dataset: int, max_prompt_tokens: int, a_prompt: str = "last_turn"
+) -> tuple[dict[str, list[Prompt]], dict]:
+    """Held-out prompts per dataset (A records and B prompts whose split key is held out, `store.split_key`),
+    at most ``per_dataset`` each, none longer than ``max_prompt_tokens``; and the read/kept/dropped tally."""
+    run_dir = Path(run_dir)
+    files = sorted(run_dir.glob("data/A/*/records.jsonl")) + sorted(run_dir.glob("data/B/*/prompts.jsonl"))
+    names = [f.parent.name for f in files]
+    out: dict[str, list[Prompt]] = {}
+    tally = {"read": 0, "kept": 0, "dropped": Counter(), "rejected": 0}
+    for f in files:
+        kind, ds = f.parent.parent.name, f.parent.name
+        label = ds if names.count(ds) == 1 else f"{kind}/{ds}"
+        kept = out.setdefault(label, [])
+        for n, rec in enumerate(store.iter_jsonl(f), 1):
+            tally["read"] += 1
+            try:
+                held = store.is_heldout(store.split_key(rec), percent)
+                ids = (
+                    (a_prompt_ids(rec, a_prompt) if kind == "A" else list(rec["prompt_ids"]))
+                    if held
+                    else None
+                )
+            except (KeyError, TypeError, IndexError) as e:
+                raise store.RecordError(f"{f}: record {n} (id {rec.get('id')!r}): malformed, {e!r}") from None
+            why = (
+                "not_heldout" if not held else "no_prompt" if not ids
+                else "too_long" if len(ids) > max_prompt_tokens else "over_cap" if len(kept) >= per_dataset else None
+            )  # fmt: skip
+            if why:
+                tally["dropped"][why] += 1
+                continue
+            kept.append(Prompt(str(rec["id"]), label, ids))
+            tally["kept"] += 1
+    tally["dropped"] = dict(tally["dropped"])
+    return {k: v for k, v in out.items() if v}, tally

@@ -87,14 +87,12 @@ class Trainer:
     """Holds the target-side pieces (hidden source, embedding, lm_head) once; trains many drafters."""
 
     def __init__(self, recipe: dict, shared: params.SharedParams, device: torch.device | None = None):
-        from transformers import AutoConfig
-
         self.p, self.shared = recipe, shared
         if recipe.get("num_threads"):  # as 05: one thread each keeps busy shared cores from oversubscribing
             torch.set_num_threads(recipe["num_threads"])
         self.device = device or models.pick_device(shared.device)
         tgt = models.resolve(shared.target)
-        self.hf_config = AutoConfig.from_pretrained(tgt, trust_remote_code=shared.trust_remote_code)
+        self.hf_config = models.load_config(shared.target, shared.trust_remote_code)
         self.config = Eagle3Config.from_target_config(
             self.hf_config, recipe["draft_vocab_size"], recipe["aux_layers"] or None
         )
@@ -121,7 +119,7 @@ class Trainer:
             return src, target.get_input_embeddings().weight, target.get_output_embeddings().weight, None
         if p["hidden_source"] == "offline":
             head = hidden.load_target_head(tgt, self.hf_config)
-            size = self.hf_config.get_text_config().hidden_size
+            size = models.text_config(self.hf_config).hidden_size
             src = hidden.OfflineHidden(p["hidden_dump_dir"], head, size, self.device)
             return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
         raise RecipeError(

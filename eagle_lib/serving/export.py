@@ -14,7 +14,7 @@ The target's token embedding is never exported: both engines share the target's.
 the full target vocab, ``d2t`` / ``t2d`` are left out too: vLLM 0.32 then has no ``draft_id_to_target_id``
 parameter and refuses a checkpoint that carries one (speculators 0.9 omits them as well).
 
-Aux layer ids: one number, two conventions. SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``
+Aux layer ids: one number, two conventions (the one home of the conversions: `eagle_lib.models.layer_ids`). SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``
 names decoder-layer *outputs* (0-based; SGLang captures at the input of layer id+1), which is our
 ``Eagle3Config.aux_layers``. vLLM's ``eagle_aux_hidden_state_layer_ids`` (top level, read before
 ``eagle_config``) names HF ``hidden_states`` indices = our ids + 1. The sglang export writes both keys, each
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_lib import models
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
@@ -76,7 +77,7 @@ def sglang_config(c: Eagle3Config, dtype: str = "float32") -> dict:
             "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
             "use_aux_hidden_state": True,
         },
-        "eagle_aux_hidden_state_layer_ids": [a + 1 for a in c.aux_layers],
+        "eagle_aux_hidden_state_layer_ids": models.layer_ids(c.aux_layers, "vllm"),
     }
 
 
@@ -107,7 +108,7 @@ def speculators_config(
         "transformer_layer_config": {**_layer_config(c), "architectures": ["LlamaForCausalLM"]},
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": [a + 1 for a in c.aux_layers],
+        "eagle_aux_hidden_state_layer_ids": models.layer_ids(c.aux_layers, "vllm"),
         "norm_before_residual": False,
         "norm_before_fc": False,
         "fc_norm": False,
@@ -212,7 +213,7 @@ def aux_layers_of(fmt: str, cfg: dict) -> list[int] | None:
         if ids:
             return list(ids)
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    return [i - 1 for i in ids] if ids else None
+    return models.aux_layers_from(ids, "vllm") if ids else None
 
 
 def drafter_config(fmt: str, cfg: dict, aux_layers: list[int] | None = None) -> Eagle3Config:

@@ -12,55 +12,22 @@ so tau of any set of prompts is sum(num) / sum(den), exactly 06's pooled tau.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eagle_lib import store
+from eagle_lib.data import evalsets
 from eagle_lib.serving import specdec
 from eagle_lib.serving.specdec import Prompt
 
 
-def _a_prompt(rec: dict) -> list[int] | None:
-    """Tokens before the last run of loss-masked tokens (None when the record has no label)."""
-    mask = rec["loss_mask"]
-    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-    return list(rec["input_ids"][: starts[-1]]) if starts and starts[-1] > 0 else None
-
-
 def heldout_prompts(run_dir: str | Path, percent: float, per_dataset: int, max_prompt_tokens: int):
-    """(prompts, tally): held-out prompts of every A and B dataset under run_dir/data, capped per dataset."""
-    run_dir = Path(run_dir)
-    files = sorted(run_dir.glob("data/A/*/records.jsonl")) + sorted(run_dir.glob("data/B/*/prompts.jsonl"))
-    names = [f.parent.name for f in files]
-    prompts: list[Prompt] = []
-    tally = {"read": 0, "kept": 0, "dropped": Counter(), "rejected": 0}
-    for f in files:
-        kind, ds = f.parent.parent.name, f.parent.name
-        label = ds if names.count(ds) == 1 else f"{kind}/{ds}"
-        n_kept = 0
-        for n, rec in enumerate(store.iter_jsonl(f), 1):
-            tally["read"] += 1
-            try:
-                held = store.is_heldout(store.split_key(rec), percent)
-                ids = (_a_prompt(rec) if kind == "A" else list(rec["prompt_ids"])) if held else None
-            except (KeyError, TypeError) as e:
-                raise store.RecordError(f"{f}: record {n} (id {rec.get('id')!r}): malformed, {e!r}") from None
-            why = (
-                "not_heldout" if not held else "no_prompt" if not ids
-                else "too_long" if len(ids) > max_prompt_tokens else "over_cap" if n_kept >= per_dataset else None
-            )  # fmt: skip
-            if why:
-                tally["dropped"][why] += 1
-                continue
-            prompts.append(Prompt(str(rec["id"]), label, ids))
-            n_kept += 1
-            tally["kept"] += 1
-    tally["dropped"] = dict(tally["dropped"])
-    return prompts, tally
+    """(prompts, tally): 06's held-out prompts (`evalsets.heldout_prompts`, A prompts before the last turn),
+    flattened in dataset order."""
+    by_ds, tally = evalsets.heldout_prompts(run_dir, percent, per_dataset, max_prompt_tokens)
+    return [q for qs in by_ds.values() for q in qs], tally
 
 
 @dataclass

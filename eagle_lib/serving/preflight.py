@@ -71,21 +71,20 @@ class Preflight:
 
 def target_text_config(target: str, trust_remote_code: bool = False) -> dict:
     """The target's text-model config as a dict (hidden_size, num_hidden_layers, vocab_size, ...)."""
-    from transformers import AutoConfig
+    from eagle_lib import models
 
-    from eagle_lib.models import resolve
-
-    path = Path(resolve(target))
+    path = Path(models.resolve(target))
     if path.is_file():  # a config.json given directly
         cfg = json.loads(path.read_text())
         return {"architectures": cfg.get("architectures"), **(cfg.get("text_config") or cfg)}
-    return text_config_dict(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
+    return text_config_dict(models.load_config(str(path), trust_remote_code))
 
 
 def text_config_dict(cfg) -> dict:
     """An HF config's text-model part as a dict, keeping the top-level architectures (multimodal wrappers)."""
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    out = text.to_dict()
+    from eagle_lib import models
+
+    out = models.text_config(cfg).to_dict()
     out["architectures"] = out.get("architectures") or getattr(cfg, "architectures", None)
     return out
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle_lib import models
 from eagle_lib.data.evalsets import Prompt  # noqa: F401  (re-exported: specdec.Prompt)
 from eagle_lib.serving.sampling import Sampler, warp
 
@@ -57,7 +58,7 @@ class Generation:
 
 def aux_features(hidden_states: tuple[torch.Tensor, ...], aux_layers: list[int]) -> torch.Tensor:
     """Concatenated outputs of decoder layers ``aux_layers`` (0-based): HF hidden_states[a + 1]. (B, T, 3H)."""
-    return torch.cat([hidden_states[a + 1] for a in aux_layers], dim=-1)
+    return torch.cat([hidden_states[i] for i in models.layer_ids(aux_layers, "hf")], dim=-1)
 
 
 def _crop(cache, keep: int) -> None:
