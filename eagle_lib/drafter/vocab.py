@@ -59,20 +59,38 @@ def build_vocab_map(counts: np.ndarray, n: int) -> tuple[torch.Tensor, torch.Ten
     return d2t, t2d
 
 
+def map_rules(d2t: torch.Tensor, t2d: torch.Tensor | None, v_target: int) -> list[tuple[str, bool, str]]:
+    """The one statement of the vocab-map convention (training, export and preflight check it through this):
+    (rule, holds, what was found) for: target ids d2t + arange(N) inside [0, V); strictly increasing (no
+    duplicate, the target's order); t2d of length V marking exactly those ids."""
+    n = d2t.numel()
+    ids = d2t.long() + torch.arange(n)
+    lo, hi = (int(ids.min()), int(ids.max())) if n else (0, -1)
+    in_range, increasing = lo >= 0 and hi < v_target, n < 2 or bool((ids[1:] > ids[:-1]).all())
+    out = [
+        ("d2t range", in_range, f"target ids in [{lo}, {hi}]" + (f" < {v_target}" if in_range
+                                 else f": outside the target vocab [0, {v_target})")),
+        ("d2t increasing", increasing, "d2t + arange(N) strictly increasing" if increasing
+         else "d2t + arange(N) is not strictly increasing (duplicate or unsorted target ids)"),
+    ]  # fmt: skip
+    if t2d is not None:
+        marked = t2d.bool().nonzero().flatten()
+        ok = t2d.numel() == v_target and torch.equal(marked, ids.sort().values)
+        found = f"{int(t2d.sum())} kept of {t2d.numel()}"
+        if not ok:
+            found = (f"t2d.sum() = {int(t2d.sum())} != N = {n}" if int(t2d.sum()) != n
+                     else f"t2d (len {t2d.numel()}) does not mark exactly d2t's target ids")  # fmt: skip
+        out.append(("t2d agrees with d2t", ok, found))
+    return out
+
+
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Raise VocabMapError unless d2t/t2d follow the convention and agree with each other."""
-    n, v = d2t.numel(), t2d.numel()
+    """Raise VocabMapError unless d2t/t2d follow the convention (`map_rules`) and agree with each other."""
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
         raise VocabMapError(f"d2t must be int64 and t2d bool (got {d2t.dtype}, {t2d.dtype})")
-    target = d2t + torch.arange(n)
-    if n > 1 and not bool((target[1:] > target[:-1]).all()):
-        raise VocabMapError("d2t + arange(N) is not strictly increasing")
-    if int(target.min()) < 0 or int(target.max()) >= v:
-        raise VocabMapError(f"d2t maps outside the target vocab [0, {v})")
-    if int(t2d.sum()) != n:
-        raise VocabMapError(f"t2d.sum() = {int(t2d.sum())} != N = {n}")
-    if not bool(t2d[target].all()):
-        raise VocabMapError("t2d is not True at every target id of d2t")
+    for rule, ok, found in map_rules(d2t, t2d, t2d.numel()):
+        if not ok:
+            raise VocabMapError(f"{rule}: {found}")
 
 
 def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
