@@ -60,3 +60,15 @@ def read_notebook_metrics(nb_path: str | Path) -> dict[str, Any]:
 
 def read_metrics(run_dir: str | Path, stage: str) -> dict[str, Any]:
     return read_json(Path(run_dir) / "metrics" / f"{stage}.json")
+
+
+def save_figure(fig, path: str | Path):
+    """Save a report figure as PNG beside the outputs and close it (a notebook cell returning ``fig`` shows it
+    once, not twice); returns ``fig``. The one figure writer of every stage."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return fig

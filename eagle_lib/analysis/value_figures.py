@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from eagle_lib import report
+
 
 def _save(fig, res, name: str):
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(res.out_dir / name, dpi=110)
-    plt.close(fig)  # shown once, as the cell's value
-    return fig
+    return report.save_figure(fig, res.out_dir / name)
 
 
 def plot_curve(res):

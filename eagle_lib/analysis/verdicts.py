@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from eagle_lib import report
+
 if TYPE_CHECKING:
     from eagle_lib.analysis.scan import Lengths
     from eagle_lib.lengths import Params
@@ -146,10 +148,7 @@ def _palette(n: int) -> list:
 
 
 def _save(fig, path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)  # no second copy at the end of the notebook cell; the returned figure still displays
-    return fig
+    return report.save_figure(fig, path)
 
 
 def _ecdf(ax, x: np.ndarray, label: str, color) -> None:

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 
+from eagle_lib import report
+
 STYLES = {0.0: "-"}  # greedy solid; sampled temperatures dashed
 
 
 def _save(fig, ev, name: str):
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(ev.out_dir / name, dpi=110)
-    plt.close(fig)  # shown once, as the cell's value
-    return fig
+    return report.save_figure(fig, ev.out_dir / name)
 
 
 def plot_positions(ev):
