@@ -256,6 +256,7 @@ REPORT_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore:IProgress not found",  # tqdm.auto's warning when ipywidgets is absent
 }
 
 

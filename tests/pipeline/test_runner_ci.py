@@ -20,3 +20,27 @@ def test_every_existing_stage_left_a_report(ci_run):
             meta = read_json(ci_run / out / "meta.json")
             if "read" in meta:
                 check_tally(meta, str(ci_run / out / "meta.json"))
+
+
+def test_reports_have_no_stderr_cells_and_iso_times(ci_run):
+    """Reports read at a glance: no stderr output cell in any executed notebook (progress bars, load chatter,
+    tqdm's IProgress warning), and every stage meta stamps its times in one format (ISO-8601)."""
+    from datetime import datetime
+
+    for s in STAGES.values():
+        nb_path = ci_run / "reports" / f"{s.name}.ipynb"
+        if not nb_path.exists():
+            continue
+        nb = json.loads(nb_path.read_text())
+        noise = [
+            (i, "".join(o.get("text", ""))[:120])
+            for i, c in enumerate(nb["cells"])
+            for o in c.get("outputs", [])
+            if o.get("name") == "stderr"
+        ]
+        assert not noise, f"{s.name}: stderr output cells {noise}"
+        for out in s.outputs:
+            meta = read_json(ci_run / out / "meta.json")
+            for key in ("started", "finished"):
+                if key in meta:
+                    datetime.fromisoformat(meta[key])  # raises on an epoch float or another format
