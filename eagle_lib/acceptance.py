@@ -139,9 +139,6 @@ class Eval:
 
 
 # --- held-out prompts ---------------------------------------------------------------------------------
-a_prompt_ids = evalsets.a_prompt_ids  # kept as acceptance's API
-
-
 def heldout_prompts(run_dir: Path, percent: float, p: Params) -> tuple[dict[str, list[Prompt]], dict]:
     """Held-out prompts per dataset, capped (`evalsets.heldout_prompts`, which 07 decodes too); and the tally."""
     return evalsets.heldout_prompts(

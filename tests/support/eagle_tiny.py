@@ -104,3 +104,11 @@ def stage_config(run_dir: Path, target: Path, **overrides) -> params.StageConfig
     base.update(overrides)
     shared = params.SharedParams(target=str(target), device="cpu", heldout_percent=10.0)
     return params.StageConfig("05_train_eagle3", run_dir, shared, Params(**base))
+
+
+def load_target(root: Path):
+    """(path, model in eval mode) of the tiny target saved under root (built on first use)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_target(root)
+    return path, AutoModelForCausalLM.from_pretrained(path).eval()

@@ -18,9 +18,9 @@ torch.set_num_threads(1)
 # --- held-out prompts -------------------------------------------------------------------------------------
 def test_a_prompt_ids():
     rec = {"input_ids": list(range(10)), "loss_mask": [0, 0, 1, 1, 0, 0, 0, 1, 1, 0]}
-    assert acceptance.a_prompt_ids(rec, "first_turn") == [0, 1]
-    assert acceptance.a_prompt_ids(rec, "last_turn") == [0, 1, 2, 3, 4, 5, 6]
-    assert acceptance.a_prompt_ids({"input_ids": [1, 2], "loss_mask": [0, 0]}, "last_turn") is None
+    assert evalsets.a_prompt_ids(rec, "first_turn") == [0, 1]
+    assert evalsets.a_prompt_ids(rec, "last_turn") == [0, 1, 2, 3, 4, 5, 6]
+    assert evalsets.a_prompt_ids({"input_ids": [1, 2], "loss_mask": [0, 0]}, "last_turn") is None
 
 
 def write_run(run_dir, n=400, vocab=200, seed=0):

@@ -25,10 +25,7 @@ AUX = [1, 3, 4]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    path = eagle_tiny.make_target(tmp_path_factory.mktemp("tiny"))
-    return path, AutoModelForCausalLM.from_pretrained(path).eval()
+    return eagle_tiny.load_target(tmp_path_factory.mktemp("tiny"))
 
 
 class HFEngine:

@@ -1,6 +1,5 @@
 """Hidden-state sources: online hooks vs output_hidden_states, packing, offline dumps and width errors."""
 
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,10 +14,7 @@ AUX = [1, 3, 4]
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    path = eagle_tiny.make_target(tmp_path_factory.mktemp("tiny"))
-    return path, AutoModelForCausalLM.from_pretrained(path).eval()
+    return eagle_tiny.load_target(tmp_path_factory.mktemp("tiny"))
 
 
 def seqs(n, lens, seed=0):
