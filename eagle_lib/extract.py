@@ -1,7 +1,9 @@
 """Stage 02_extract_B: prompt-only (B) datasets -> prompts in the target's token space, for regeneration.
 
 Each B row is normalized (:mod:`eagle_lib.data.formats`), cut before the assistant turn to regenerate (the first or
-the last one; a conversation ending on a user turn is, for `last`, a prompt as it stands), rendered with the target's
+the last one; a conversation ending on a user turn is, for `last`, a prompt as it stands; ``each_turn`` keeps the
+first prompt plus the later user turns / tool results and the source's tool calls as ``followups``, which 03
+answers turn by turn, `eagle_lib.data.multiturn`), rendered with the target's
 chat template plus its generation prompt and tokenized: ``prompt_ids`` is exactly what stage 03 sends to the
 engine. Prompts are filtered (``n_prompt_tokens + max_new_tokens <= max_seq_len``), deduplicated (a hash of the
 normalized prompt; SWE trajectories by instance id, since many agent runs share one issue) and capped per
@@ -20,14 +22,14 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from eagle_lib import models, params, store
-from eagle_lib.data import formats, records
+from eagle_lib.data import formats, multiturn, records
 
 
 class BSource(formats.Source):
     """A B dataset: where it lives, its adapter, which turn to regenerate and how many prompts to keep."""
 
-    turn: Literal["first", "last"] = (
-        "first"  # assistant turn to regenerate: the prompt is everything before it
+    turn: Literal["first", "last", "each_turn"] = (
+        "first"  # assistant turn(s) to regenerate: first | last (the prompt is what precedes it) | every one
     )
     max_prompts: int = 0  # cap on kept prompts, a seeded sample (0: keep all)
 
@@ -102,13 +104,18 @@ def _extract_one(conv: dict, src: BSource) -> tuple:
     state = records.worker_state()
     if "input_ids" in conv:
         raise formats.Malformed("pre-tokenized rows have no messages to regenerate from")
-    msgs = prompt_messages(conv["messages"], src.turn)
+    extra = {}
+    if src.turn == "each_turn":  # the first prompt + the later turns 03 answers one by one (data.multiturn)
+        cut = multiturn.split_turns(conv["messages"])
+        msgs, extra = (None, {}) if cut is None else (cut[0], {"followups": cut[1]})
+    else:
+        msgs = prompt_messages(conv["messages"], src.turn)
     if msgs is None:
         return "dropped", "no_prompt"
     ids = state["encoder"].encode_prompt(msgs, conv["tools"])
     key = f"group:{conv['group']}" if conv.get("group") else prompt_key(msgs, conv["tools"])
     rec = {"id": conv["id"], "source": conv["source"], "messages": msgs, "tools": conv["tools"]}
-    return "kept", (rec | {"prompt_ids": ids, "n_prompt_tokens": len(ids)}, key)
+    return "kept", (rec | {"prompt_ids": ids, "n_prompt_tokens": len(ids)} | extra, key)
 
 
 def _extract_batch(task: tuple[formats.Source, list]) -> list[tuple]:
@@ -140,6 +147,8 @@ class _Candidates:
         if self.dedup and key in self.seen:
             return self.out.add("dropped", "duplicate")
         self.seen.add(key)
+        if "followups" in rec:  # each_turn: 03 stops a conversation whose next prompt leaves no room either
+            rec["max_prompt_tokens"] = self.max_prompt_tokens
         self.keys.append(sample_key(self.seed, rec["id"]))
         self.buf.append(rec)
         if len(self.buf) >= 256:

@@ -210,6 +210,7 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
                     "n_output_tokens": len(item.output_ids), "sampling": sampling, "engine": engine.name,
                     "target": identity, "stop_token_ids": stop, "server": item.server or engine.name,
                     "latency_s": round(item.latency_s, 4), "finished_at": round(time.time(), 3),
+                    **src.get("extra", {}),
                 })  # fmt: skip
                 stats["generated"] += 1
                 stats["generated_tokens"] += len(item.output_ids)
@@ -244,6 +245,8 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
     ds_dir = cfg.out("infer", name)
     out_dir = ds_dir / "shards" / f"{shard[0]}-of-{shard[1]}" if shard else ds_dir
     everything = load_prompts(src)
+    if any("followups" in r for r in everything):  # 02 turn: each_turn
+        return run_multiturn(cfg, name, engine, tokenizer, shard, identity, everything, started)
     prompts = {r["id"]: r for r in everything}
     selected = [
         r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]
@@ -279,6 +282,38 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
         "duplicates_ignored": dups, "set_aside": moved, **stats, "engine": engine.name, "target": identity, "sampling": engine.sampling.record(),
         "stop_token_ids": list(engine.sampling.stop_token_ids), "shard": f"{shard[0]}/{shard[1]}" if shard else None,
         "input": {"path": str(src), "sha256": file_sha256(src)}, "params": p.model_dump(mode="json"),
+    }  # fmt: skip
+    return store.write_meta(out_dir, meta, started, tally=True)
+
+
+def run_multiturn(cfg: params.StageConfig, name: str, engine, tokenizer, shard, identity, everything: list[dict],
+                  started: float) -> dict:  # fmt: skip
+    """Regenerate every turn of one each_turn dataset (`engines.turns`); meta counts conversations."""
+    from eagle_lib.data.chat import ChatEncoder
+    from eagle_lib.engines import turns
+
+    p, src = cfg.stage, cfg.out("data", "B", name, "prompts.jsonl")
+    ds_dir = cfg.out("infer", name)
+    out_dir = ds_dir / "shards" / f"{shard[0]}-of-{shard[1]}" if shard else ds_dir
+    convs = {r["id"]: r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]}
+    meta02 = src.parent / "meta.json"
+    kwargs = store.read_json(meta02).get("params", {}).get("chat_template_kwargs", {}) if meta02.exists() else {}
+    stop = list(engine.sampling.stop_token_ids)
+    stop_strings = [tokenizer.decode([i], skip_special_tokens=False) for i in stop]
+
+    def generate(todo: list) -> dict:
+        order = pending_order([{"id": x.id, "x": x} for x in todo], cfg.shared.seed, name, p.shuffle)
+        reqs = [{"id": d["id"], "prompt_ids": d["x"].prompt_ids, "source": d["x"].source,
+                 "extra": {"conversation": d["x"].conversation, "turn": d["x"].turn}} for d in order]  # fmt: skip
+        return generate_pending(engine, reqs, tokenizer, out_dir, p, name, identity)
+
+    res = turns.run_conversations(convs, ds_dir, out_dir, ChatEncoder(tokenizer, kwargs), stop_strings,
+                                  engine.sampling.record(), identity, stop, generate, p.on_stale, p.retry_errors,
+                                  merge=shard is None)  # fmt: skip
+    meta = turns.meta(res, convs, error_ids(ds_dir)) | {
+        "engine": engine.name, "target": identity, "sampling": engine.sampling.record(), "stop_token_ids": stop,
+        "shard": f"{shard[0]}/{shard[1]}" if shard else None, "input": {"path": str(src), "sha256": file_sha256(src)},
+        "params": p.model_dump(mode="json"),
     }  # fmt: skip
     return store.write_meta(out_dir, meta, started, tally=True)
 

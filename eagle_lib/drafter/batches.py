@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import store
+from eagle_lib.data import multiturn
 from eagle_lib.drafter.hidden import seq_key
 
 
@@ -71,11 +72,18 @@ def iter_raw(run_dir: str | Path):
             _check(path, rec, rec["input_ids"], rec["loss_mask"])
             yield path, rec, rec["input_ids"], rec["loss_mask"]
     for path in sorted(run_dir.glob("infer/*/responses.jsonl")):
+        turns = []  # each_turn records (03): a conversation's turns merged into few sequences, data.multiturn
         for rec in store.iter_jsonl(path):
             if "prompt_ids" not in rec or "output_ids" not in rec:
                 raise ValueError(f"{path}: response {rec.get('id')!r} lacks prompt_ids/output_ids")
+            if "turn" in rec:
+                turns.append(rec)
+                continue
             ids = list(rec["prompt_ids"]) + list(rec["output_ids"])
             mask = [0] * len(rec["prompt_ids"]) + [1] * len(rec["output_ids"])
+            _check(path, rec, ids, mask)
+            yield path, rec, ids, mask
+        for rec, ids, mask in multiturn.training_records(turns):
             _check(path, rec, ids, mask)
             yield path, rec, ids, mask
 
