@@ -42,9 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_env(kv_cache_gib: int = 1, threads: int | None = None) -> dict[str, str]:
-    """Environment for the CPU backend: a small KV cache, optionally a thread cap."""
+def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool = True) -> dict[str, str]:
+    """Environment for the CPU backend: a small KV cache, optionally a thread cap; with `cpu_fixes`, the plugin
+    `eagle_lib.engines.vllm_cpu_fixes` (its dist-info dir and the repository on PYTHONPATH): without it vLLM 0.32's
+    CPU backend samples speculative steps at T > 0 from uninitialised temperatures (vllm-project/vllm#55005)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if cpu_fixes:
+        from eagle_lib.engines import vllm_cpu_fixes
+
+        paths = [str(Path(vllm_cpu_fixes.__file__).parent / vllm_cpu_fixes.PLUGIN_DIR_NAME), str(REPO_ROOT)]
+        env["PYTHONPATH"] = os.pathsep.join(paths + [x for x in [os.environ.get("PYTHONPATH", "")] if x])
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
     return env
@@ -131,11 +138,12 @@ def start_vllm(
     startup_timeout_s: float = 600.0,
     log_dir: str | Path | None = None,
     python: str | Path | None = None,
+    cpu_fixes: bool = True,
 ) -> VllmServer:
     """Start `vllm serve`-equivalent on 127.0.0.1 and wait until it answers; returns the handle (a context manager).
 
     `extra_args` are appended to the command line (e.g. a speculative config); `env` adds to a CPU-friendly
-    environment (`cpu_env()`). fp32 is the default dtype so greedy ids can be compared with an fp32 reference.
+    environment (`cpu_env()`; `cpu_fixes`: load `eagle_lib.engines.vllm_cpu_fixes` into the server). fp32 is the default dtype so greedy ids can be compared with an fp32 reference.
     """
     py = Path(python) if python else vllm_python()
     if not py.exists():
@@ -152,7 +160,7 @@ def start_vllm(
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
     cmd += list(extra_args or [])
-    full_env = {**os.environ, **cpu_env(), **(env or {})}
+    full_env = {**os.environ, **cpu_env(cpu_fixes=cpu_fixes), **(env or {})}
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"

@@ -30,12 +30,16 @@ NEW = 32
 # At T=1 both sides sample (different random streams): the two taus are independent estimates of one mean.
 # The tiny random target is nearly flat at T=1 (p(argmax) ~ 0.05), so the served target is the same model with
 # its lm_head scaled by SHARPEN: every argmax, hidden state and greedy output is unchanged, while T=1 sampling
-# is peaked enough that drafts get accepted.
+# is peaked enough that drafts get accepted. The distilled prompts are sampled SAMPLED_SEEDS times offline and
+# ONLINE_SEEDS times by vLLM (request seeds differ, so the answers do).
 # The test allows Z_MAX standard errors of their difference, sqrt(var/n_offline + var/n_online), with var the
-# per-step variance of (accepted + 1) measured offline, plus the greedy TOLERANCE for kernel differences.
+# per-step variance of (accepted + 1) measured offline, and per draft position the same z bound on the accepted
+# shares. Nothing is added for kernel differences: at T=1 they only move which sample is drawn.
+# Without eagle_lib.engines.vllm_cpu_fixes the CPU server accepted no second or third draft at T > 0
+# (vllm-project/vllm#55005): the position check fails then (measured: 0 of ~200 steps vs ~4% and ~1.5% offline).
 SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=0)
 SHARPEN = 6.0
-N_SAMPLED_PROMPTS, NEW_SAMPLED, Z_MAX = 24, 48, 4.0
+SAMPLED_SEEDS, ONLINE_SEEDS, NEW_SAMPLED, Z_MAX = 8, 4, 48, 4.0
 
 
 def target_features(target, ids: list[int], aux: list[int]):
@@ -106,19 +110,24 @@ def world(tmp_path_factory):
     offline = [
         specdec.speculative_generate(runner, specdec.EagleProposer(drafter), p, NEW, K, eos) for p in prompts
     ]
-    sampled_prompts = prompts + byte_prompts(N_SAMPLED_PROMPTS - len(prompts), seed=8)
     sampled = [
         specdec.speculative_generate(
-            runner, specdec.EagleProposer(drafter), p, NEW_SAMPLED, K, eos, Sampler(**SAMPLED, seed=i)
+            runner,
+            specdec.EagleProposer(drafter),
+            p,
+            NEW_SAMPLED,
+            K,
+            eos,
+            Sampler(**SAMPLED, seed=r * 100 + i),
         )
-        for i, p in enumerate(sampled_prompts)
+        for r in range(SAMPLED_SEEDS)
+        for i, p in enumerate(prompts)
     ]
     return {
         "dir": wdir,
         "target": target,
         "exports": export.export_all(drafter, root / "export", str(wdir), ["LlamaForCausalLM"], K),
         "prompts": [specdec.Prompt(f"p{i}", "tiny", ids) for i, ids in enumerate(prompts)],
-        "sampled_prompts": [specdec.Prompt(f"s{i}", "tiny", ids) for i, ids in enumerate(sampled_prompts)],
         "offline": offline,
         "sampled": sampled,
         "greedy": {f"p{i}": g for i, g in enumerate(greedy)},
@@ -182,24 +191,35 @@ def test_vllm_tau_agrees_with_offline_sglang_format(world):
 
 def test_vllm_tau_at_temperature_1_agrees_with_offline(world, speculators_server):
     """Speculative sampling offline and in vLLM (greedy drafts, accept/reject on the target's T=1, top_p 0.95
-    distribution): the same expected tau within the sampling error of both measurements."""
+    distribution): the same expected tau, and the same accepted share at each draft position, within the
+    sampling error of both measurements."""
     srv = speculators_server
     tau_off, var, n_off = uncut_tau(world["sampled"])
+    pos_off = [sum(1 for g in world["sampled"] for a in g.matched if a > j) / n_off for j in range(K)]
     s = online.Sampling(**SAMPLED)
-    res = online.online_vllm(
-        srv.base_url, srv.model, {"tiny": world["sampled_prompts"]}, NEW_SAMPLED, K, 2, sampling=s, seed=1
-    )["tiny"]
-    n_on = res["drafts"]
+    runs = [
+        online.online_vllm(
+            srv.base_url, srv.model, {"tiny": world["prompts"]}, NEW_SAMPLED, K, 2, sampling=s, seed=seed
+        )["tiny"]  # fmt: skip
+        for seed in range(1, ONLINE_SEEDS + 1)
+    ]
+    n_on = sum(r["drafts"] for r in runs)
+    tau_on = 1 + sum(r["accepted"] for r in runs) / n_on
+    pos_on = [sum(r["acc"][j] * r["drafts"] for r in runs) / n_on for j in range(K)]
     se = math.sqrt(var / n_off + var / n_on)
-    tol = Z_MAX * se + TOLERANCE
-    greedy_tau = uncut_tau(world["offline"])[0]
-    print(f"T=1: vLLM tau {res['tau']:.3f} ({n_on:.0f} steps), offline {tau_off:.3f} ({n_off} steps), "
-          f"se {se:.3f}, tolerance {tol:.3f}; greedy offline {greedy_tau:.3f}")  # fmt: skip
-    assert 1.05 < tau_off, f"offline T=1 tau {tau_off:.2f}: the drafter should still accept drafts"
-    assert abs(res["tau"] - tau_off) <= tol, (
-        f"vLLM T=1 tau {res['tau']:.3f} vs offline {tau_off:.3f} (±{tol:.3f})"
+    print(f"T=1: vLLM tau {tau_on:.3f} ({n_on:.0f} steps) per position {[round(x, 3) for x in pos_on]}, "
+          f"offline {tau_off:.3f} ({n_off} steps) {[round(x, 3) for x in pos_off]}, se {se:.3f}")  # fmt: skip
+    assert 1.2 < tau_off, f"offline T=1 tau {tau_off:.2f}: the drafter should still accept drafts"
+    assert abs(tau_on - tau_off) <= Z_MAX * se, (
+        f"vLLM T=1 tau {tau_on:.3f} vs offline {tau_off:.3f} (se {se:.3f})"
     )
-    outs = list(res["outputs"].values())
+    for j, (a, b) in enumerate(zip(pos_on, pos_off, strict=True)):
+        se_j = math.sqrt(b * (1 - b) * (1 / n_off + 1 / n_on))
+        assert abs(a - b) <= Z_MAX * se_j, (
+            f"draft position {j}: vLLM accepts {a:.3f}, offline {b:.3f} (se {se_j:.3f})"
+        )
+    assert pos_on[1] > 0, "vLLM accepted no second draft at T=1 (the CPU sampling defect, vllm#55005)"
+    outs = [o for r in runs for o in r["outputs"].values()]
     assert len({tuple(o) for o in outs}) > 1 and all(outs), "sampled outputs should vary and be non-empty"
 
 
