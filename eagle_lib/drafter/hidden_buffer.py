@@ -7,10 +7,12 @@ One buffer directory per plan (``<root>/<plan key>/rank<r>/``)::
     plan.json              {"units": [[sequence index, ...], ...]}: unit u = the u-th source call of the trainer
     cursor.json            {"next": u}: the trainer has consumed every unit < u (written by the trainer)
     unit_NNNNNNNN.safetensors  hidden_states [N, n_ids, H] (storage dtype), token_ids [N], lengths [n_seq]
+                           (float8_e4m3fn also scale [N, n_ids] float32: value = stored x scale)
     producer_<i>.json      producer i's own accounting: peak/pending bytes, tokens, busy and blocked seconds
     STOP, STOP.<session>   stop every producer (by hand) / those one trainer session started
 
-Producer ``i`` of ``n`` makes units ``u % n == i`` in order. A unit's file appears by rename, so a file that
+Producer ``i`` of ``n`` makes the non-empty units ``u % n == i`` in order (a unit whose sequences are all
+kept, `eagle_lib.drafter.hidden_store`, is planned empty and never made). A unit's file appears by rename, so a file that
 exists is complete; the trainer deletes it after use unless ``keep_hidden_states``. Each producer may hold at
 most ``max_buffer_bytes / n`` of unconsumed units plus its in-flight reservation (the engine's per-request
 scratch file and the shard being written); it blocks before starting work that would exceed that.
@@ -22,8 +24,9 @@ import json
 import os
 from pathlib import Path
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-HEADER_SLACK = 4096  # safetensors JSON header + alignment, an upper bound for our three tensors
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+HEADER_SLACK = 4096  # safetensors JSON header + alignment, an upper bound for our four tensors
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def unit_name(u: int) -> str:
@@ -50,7 +53,27 @@ def read_cursor(buf: Path) -> int:
 
 def shard_bytes(n_tokens: int, n_seqs: int, n_ids: int, hidden: int, dtype: str) -> int:
     """Upper bound of a unit file's size: hidden states + int64 token ids and lengths + header."""
-    return n_tokens * n_ids * hidden * ITEMSIZE[dtype] + 8 * (n_tokens + n_seqs) + HEADER_SLACK
+    scale = 4 * n_tokens * n_ids if dtype == "float8_e4m3fn" else 0  # one float32 per token and layer
+    return n_tokens * n_ids * hidden * ITEMSIZE[dtype] + scale + 8 * (n_tokens + n_seqs) + HEADER_SLACK
+
+
+def encode(hs, dtype: str) -> dict:
+    """hidden_states [N, n_ids, H] in the storage dtype; float8_e4m3fn is scaled per token and layer (each row's
+    max |x| maps to 448, so outliers keep their range) with ``scale`` [N, n_ids] float32 beside it."""
+    import torch
+
+    if dtype != "float8_e4m3fn":
+        return {"hidden_states": hs.to(getattr(torch, dtype)).contiguous()}
+    x = hs.float()
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [N, n_ids]
+    q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"hidden_states": q.contiguous(), "scale": scale.contiguous()}
+
+
+def decode(hs, scale=None):
+    """float32 [N, n_ids, H] from a stored hidden_states (and its scale, for float8)."""
+    x = hs.float()
+    return x if scale is None else x * scale.float()[..., None]
 
 
 def scratch_bytes(lengths: list[int], n_ids: int, hidden: int, dtype: str) -> int:

@@ -28,7 +28,7 @@ HONOURED = {
     "hidden_source", "hidden_dump_dir", "aux_layers", "draft_vocab_size", "ttt_preset", "ttt_steps", "loss_decay",
     "epochs", "max_steps", "learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_betas",
     "grad_clip", "grad_accum", "rows_per_batch", "pack_len", "max_seq_len", "max_train_samples",
-    "init_lm_head_from_target", "precision", "max_bad_steps", "max_eval_samples", "attention",
+    "init_lm_head_from_target", "precision", "max_bad_steps", "max_eval_samples", "attention", "hidden_dtype",
 }  # fmt: skip
 # 05 settings without effect on a single-process run's weights
 IGNORED = {
@@ -36,8 +36,8 @@ IGNORED = {
     "num_threads", "distributed", "export_dtype", "num_speculative_tokens", "measure_every", "measure_prompts",
     "measure_new_tokens", "measure_drafts",
     "final_checkpoint",  # which step final/ holds: 07 reuses 05's drafter only when it is the last one
-    # the vllm hidden source's settings (a streaming source 07 refuses: it cannot replay it per subset)
-    "tensor_parallel_size", "num_producers", "max_buffer_gb", "keep_hidden_states", "hidden_dtype", "start_producers",
+    # the vllm hidden source's settings (07 reads 05's kept hidden states, producing only missing ones)
+    "tensor_parallel_size", "num_producers", "max_buffer_gb", "keep_hidden_states", "start_producers",
 }  # fmt: skip
 
 
@@ -122,9 +122,13 @@ class Trainer:
             size = models.text_config(self.hf_config).hidden_size
             src = hidden.OfflineHidden(p["hidden_dump_dir"], head, size, self.device)
             return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
+        if p["hidden_source"] == "vllm":  # 05's kept hidden states; the missing ones from a vLLM producer
+            from eagle_lib.drafter.hidden_store import KeptSource
+
+            src = KeptSource(p, self.shared, self.hf_config, self.device)
+            return src, src.embed, src.head.lm_head, None
         raise RecipeError(
-            f"hidden_source {p['hidden_source']!r}: 07 retrains from the online target or offline dumps only "
-            "(a streaming source cannot be replayed per subset; dump the hidden states and use offline)"
+            f"hidden_source {p['hidden_source']!r}: 07 retrains from online, offline or vllm hidden states"
         )
 
     def sequences(self, run_dir: str | Path, max_eval: int | None = None):
@@ -132,6 +136,8 @@ class Trainer:
         05's max_eval_samples unless `max_eval` is given; 0: all)."""
         p = self.p
         cap = p["max_eval_samples"] if max_eval is None else max_eval
+        if hasattr(self.source, "use_root"):  # vllm: the kept hidden states live in this run's 05 output
+            self.source.use_root(run_dir)
         return batches.load_sequences(
             run_dir, self.shared.heldout_percent, p["max_seq_len"], p["max_train_samples"], cap, self.keep
         )
@@ -153,6 +159,8 @@ class Trainer:
         """A fresh drafter trained on `seqs` for `steps` optimizer steps; (drafter in eval mode, per-step log)."""
         p, dev = self.p, self.device
         drafter = self.new_drafter(seqs)
+        if hasattr(self.source, "prepare"):  # vllm: produce what 05 did not keep, in one producer session
+            self.source.prepare(seqs)
         stream = batches.BatchStream(seqs, p["pack_len"], p["rows_per_batch"], self.shared.seed)
         model = ttt.TTT(drafter, self.k, self.decay, self.attention)
         trainable = [q for q in model.parameters() if q.requires_grad]

@@ -10,7 +10,8 @@ one vLLM request with ``max_tokens=1`` (prefill only, no decoding); the speculat
 ``extract_hidden_states`` captures the configured layers (HF ``hidden_states`` indices; id L = the last
 layer before the final norm) and a KV connector writes them per request: vLLM's own
 ``ExampleHiddenStatesConnector`` on GPU, `eagle_lib.drafter.vllm_connector` on CPU. The producer regroups
-them into one file per unit, cast to the storage dtype. Imports nothing of the main venv beyond the
+them into one file per unit, cast to the storage dtype (float8 with a per-row scale, `hidden_buffer.encode`);
+a unit planned empty (all its sequences kept) is never made. Imports nothing of the main venv beyond the
 stdlib-only buffer protocol and the connector.
 """
 
@@ -129,7 +130,7 @@ class Producer:
         scratch.mkdir(parents=True)
         for part in self.buf.glob("unit_*.part"):
             part.unlink()
-        mine = [u for u in range(len(self.units)) if u % self.count == self.index]
+        mine = [u for u in range(len(self.units)) if u % self.count == self.index and self.units[u]]
         for u in mine:
             if self.need(u) > self.ledger.share:
                 raise SystemExit(
@@ -182,7 +183,6 @@ class Producer:
         from safetensors.torch import save_file
 
         got = iter(engine.prefill([self.seqs[i] for u in batch for i in self.units[u]]))
-        dtype = getattr(torch, self.cfg["storage_dtype"])
         for u in batch:
             parts, lengths = [], []
             for i in self.units[u]:
@@ -198,10 +198,10 @@ class Producer:
                     raise RuntimeError(
                         f"unit {u}: hidden_states {list(hs.shape)}, expected [{len(ids)}, {self.n_ids}, {self.h}]"
                     )
-                parts.append(hs.to(dtype))
+                parts.append(hs)
                 lengths.append(len(ids))
             tensors = {
-                "hidden_states": torch.cat(parts).contiguous(),
+                **hb.encode(torch.cat(parts), self.cfg["storage_dtype"]),
                 "token_ids": torch.tensor([t for i in self.units[u] for t in self.seqs[i]], dtype=torch.long),
                 "lengths": torch.tensor(lengths, dtype=torch.long),
             }

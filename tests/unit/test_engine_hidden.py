@@ -1,7 +1,7 @@
 """The vllm hidden source without vLLM: producer accounting + regrouping and the trainer-side consumer.
 
 The real `vllm_producer.Producer` runs in a thread with an engine that answers ``prefill`` from
-transformers (``output_hidden_states`` + a hook on the last decoder layer: an independent capture), and the
+transformers (`tests.support.hf_producer.HFEngine`: an independent capture), and the
 consumer (`engine_hidden.VllmHidden`) must return what `hidden.OnlineHidden` computes, while the producer
 never holds more than the buffer bound. tests/server/test_vllm_hidden.py runs the same with real vLLM.
 """
@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from eagle_lib import store
 from eagle_lib.drafter import engine_hidden, hidden, vllm_producer
 from eagle_lib.drafter import hidden_buffer as hb
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
 from tests.support import eagle_tiny
+from tests.support.hf_producer import HFEngine
 
 torch.set_num_threads(1)
 AUX = [1, 3, 4]
@@ -26,30 +26,6 @@ AUX = [1, 3, 4]
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return eagle_tiny.load_target(tmp_path_factory.mktemp("tiny"))
-
-
-class HFEngine:
-    """``prefill`` like `vllm_producer.VllmPrefill`, computed by transformers: one file per request."""
-
-    def __init__(self, model, ids, scratch):
-        self.model, self.ids, self.scratch, self.n = model, ids, scratch, 0
-
-    @torch.no_grad()
-    def prefill(self, seqs):
-        paths = []
-        for s in seqs:
-            got = {}
-            hook = self.model.model.layers[-1].register_forward_hook(
-                lambda m, i, o, got=got: got.setdefault("x", o[0] if isinstance(o, tuple) else o)
-            )
-            out = self.model(torch.tensor([s]), output_hidden_states=True)
-            hook.remove()
-            layers = [got["x"][0] if i == eagle_tiny.LAYERS else out.hidden_states[i][0] for i in self.ids]
-            path = self.scratch / f"req{self.n}.safetensors"
-            save_file({"hidden_states": torch.stack(layers, 1), "token_ids": torch.tensor(s)}, str(path))
-            paths.append(str(path))
-            self.n += 1
-        return paths
 
 
 def world(n_seqs=10, seed=0):
@@ -146,22 +122,3 @@ def test_out_of_plan_call_and_oversized_unit_fail_clearly(target, tmp_path):
     with pytest.raises(SystemExit, match="raise max_buffer_gb"):
         vllm_producer.Producer(tmp_path / "buf", 0, 1).run()
     src.close()
-
-
-def test_kept_units_are_reused_without_a_producer(target, tmp_path, monkeypatch):
-    path, model = target
-    seqs, batches, units, tokens = world(6)
-    ids = engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)
-    monkeypatch.setattr(vllm_producer, "make_engine", lambda cfg, scratch: HFEngine(model, ids, scratch))
-    head = hidden.load_target_head(str(path), model.config)
-    pcfg = producer_cfg(path, ids, 10**8)
-    args = (tmp_path / "buf", units, tokens, 0, ids, AUX, head, 64, torch.device("cpu"))
-    first = engine_hidden.VllmHidden(*args, producer_cfg=pcfg, keep=True, start_producers=False)
-    vllm_producer.Producer(tmp_path / "buf", 0, 1).run()  # all units, before the trainer starts
-    out = [first(b) for b in batches]
-    assert len(list((tmp_path / "buf").glob("unit_*.safetensors"))) == len(units)  # kept
-    again = engine_hidden.VllmHidden(*args, producer_cfg=pcfg, keep=True, start_producers=True)
-    assert again.procs == []  # nothing to make: no vLLM is started
-    for b, (aux, logits) in zip(batches, out, strict=True):
-        aux2, logits2 = again(b)
-        assert torch.equal(aux, aux2) and torch.equal(logits, logits2)

@@ -1,0 +1,211 @@
+"""Kept hidden states, per sequence: reused by any later training on the same target, layers and dtypes.
+
+With ``keep_hidden_states`` the vllm source moves each consumed unit file into a store instead of deleting it,
+and indexes every sequence in it by its token ids (`eagle_lib.drafter.batches.seq_key`)::
+
+    <hidden_dump_dir or drafter/hidden_buffer>/kept/<identity key>/
+        identity.json   target (resolved path or hub id, config hash, embedding/lm_head fingerprint),
+                        layer_ids, storage dtype, model dtype: what the key is a hash of
+        files/*.safetensors  moved unit files (hidden_states [N, n_ids, H], token_ids [N], lengths, scale)
+        index.jsonl     {key, file, offset, n, bytes_per_token}: sequence `key` is rows offset..offset+n of file
+
+Any later training whose sequences are indexed here reads them and starts no producer (a rerun with more
+steps, another seed, 07's subsets of 05's data); a partly kept set has only the missing sequences produced.
+`KeptSource` is that reader for 07 (`eagle_lib.drafter.retrain`): it has the missing sequences of each
+training set made by a producer (`prepare`) and then serves every call from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from eagle_lib import models, store
+from eagle_lib.drafter import hidden
+from eagle_lib.drafter import hidden_buffer as hb
+
+
+def identity(target: str, hf_config, embed: torch.Tensor, lm_head: torch.Tensor, producer_cfg: dict) -> dict:
+    """What kept hidden states depend on: the target (path or hub id, config, weight fingerprint), the
+    captured layer ids and the model and storage dtypes (not TP, producers or the buffer bound)."""
+    import hashlib
+
+    cfg = models.text_config(hf_config).to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        cfg.pop(volatile, None)
+    h = hashlib.sha256()
+    for w in (embed, lm_head):  # (V, H): the first rows tell two checkpoints of one config apart
+        h.update(w[: min(64, w.shape[0])].detach().float().cpu().numpy().tobytes())
+    return {
+        "target": target,
+        "config_sha256": store.stable_hash(cfg),
+        "weights_sha256": h.hexdigest()[:16],
+        **{k: producer_cfg[k] for k in ("layer_ids", "model_dtype", "storage_dtype")},
+    }
+
+
+class HiddenStore:
+    """The kept sequences of one identity: ``key in store``, ``read(key, n)``, ``add(unit file, keys)``."""
+
+    def __init__(self, root: str | Path, ident: dict):
+        self.identity = ident
+        self.dir = Path(root) / "kept" / store.stable_hash(ident)
+        (self.dir / "files").mkdir(parents=True, exist_ok=True)
+        if not (self.dir / "identity.json").exists():
+            hb.write_json(self.dir / "identity.json", ident)
+        self.index: dict[str, dict] = {}
+        path = self.dir / "index.jsonl"
+        for r in store.iter_jsonl(path) if path.exists() else []:
+            self.index.setdefault(r["key"], r)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def read(self, key: str, n: int) -> torch.Tensor:
+        """The first n positions of kept sequence `key`: float32 [n, n_ids, H]."""
+        from safetensors import safe_open
+
+        r = self.index[key]
+        if n > r["n"]:
+            raise ValueError(
+                f"{self.dir}/files/{r['file']}: sequence {key} holds {r['n']} positions, {n} asked"
+            )
+        a, b = r["offset"], r["offset"] + n
+        with safe_open(str(self.dir / "files" / r["file"]), "pt") as f:
+            hs = f.get_slice("hidden_states")[a:b]
+            scale = f.get_slice("scale")[a:b] if "scale" in f.keys() else None
+        return hb.decode(hs, scale)
+
+    def add(self, unit: Path, keys: list[str], lengths: list[int]) -> None:
+        """Move a consumed unit file (sequences `keys` of `lengths`, in order) into the store and index it."""
+        name = f"{store.stable_hash([str(unit), keys, time.time_ns()])}.safetensors"
+        per_token = unit.stat().st_size / max(1, sum(lengths))
+        os.replace(unit, self.dir / "files" / name)
+        rows, off = [], 0
+        for k, n in zip(keys, lengths, strict=True):
+            if k not in self.index:
+                r = {"key": k, "file": name, "offset": off, "n": n, "bytes_per_token": per_token}
+                self.index[k] = r
+                rows.append(r)
+            off += n
+        store.append_jsonl(self.dir / "index.jsonl", rows)  # after the move: an entry names a complete file
+
+
+def assemble(batch, rows_of, aux_cols: list[int], last_col: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux (B, T, len(aux_cols) * H) and last (B, T, H) of a packed batch; ``rows_of(key, n)`` gives each
+    segment's [n, n_ids, H] (padding positions stay 0)."""
+    b, t = batch.input_ids.shape
+    aux = torch.zeros(b, t, len(aux_cols) * h)
+    last = torch.zeros(b, t, h)
+    for row, segs in enumerate(batch.segments):
+        for key, start, n in segs:
+            x = rows_of(key, n)
+            aux[row, start : start + n] = x[:, aux_cols].reshape(n, -1)
+            last[row, start : start + n] = x[:, last_col]
+    return aux, last
+
+
+class KeptSource:
+    """07's ``hidden_source: vllm``: every call served from the kept store; what is missing is produced first
+    (one producer session per `prepare`d training set), then kept for the next arms."""
+
+    def __init__(self, recipe: dict, shared, hf_config, device):
+        from eagle_lib.drafter import engine_hidden
+        from eagle_lib.drafter.model import Eagle3Config
+
+        text = models.text_config(hf_config)
+        aux = list(recipe["aux_layers"] or Eagle3Config.from_target_config(hf_config, 1).aux_layers)
+        self.ids = engine_hidden.layer_ids(aux, text.num_hidden_layers)
+        self.aux_cols = [self.ids.index(i + 1) for i in aux]
+        self.last_col, self.h, self.device = self.ids.index(text.num_hidden_layers), text.hidden_size, device
+        self.recipe, self.shared, self.text = recipe, shared, text
+        self.target = models.resolve(shared.target)
+        self.head = hidden.load_target_head(self.target, hf_config).to(device)
+        self.embed = hidden.load_target_embedding(self.target)
+        self.pcfg = engine_hidden.producer_config(recipe, shared, text, self.ids, 0, device.type == "cpu")
+        self.ident = identity(self.target, hf_config, self.embed, self.head.lm_head, self.pcfg)
+        self.kept: HiddenStore | None = None
+        self.stats = {"kept_tokens": 0, "produced_tokens": 0, "producer_sessions": 0}
+
+    def use_root(self, run_dir: str | Path) -> None:
+        """The store of the run whose 05 kept them (``hidden_dump_dir`` or run_dir/drafter/hidden_buffer)."""
+        root = Path(self.recipe["hidden_dump_dir"]) if self.recipe["hidden_dump_dir"] else None
+        self.kept = HiddenStore(root or Path(run_dir) / "drafter" / "hidden_buffer", self.ident)
+
+    def _store(self) -> HiddenStore:
+        if self.kept is None:
+            raise RuntimeError("KeptSource: no store yet (call use_root(run_dir), as Trainer.sequences does)")
+        return self.kept
+
+    def prepare(self, seqs) -> None:
+        """Produce the sequences of `seqs` that are not kept (none: no producer starts)."""
+        kept = self._store()
+        missing = {k: list(s.input_ids) for s in seqs if (k := hidden.seq_key(s.input_ids)) not in kept}
+        if missing:
+            self.produce(missing)
+
+    def produce(self, tokens: dict[str, list[int]]) -> None:
+        """One producer session making `tokens` (key -> ids) into units of about a micro-batch, each moved
+        into the store as it appears (the buffer bound holds: the cursor advances as they are moved)."""
+        from eagle_lib.drafter import engine_hidden
+
+        kept, keys, budget = (
+            self._store(),
+            list(tokens),
+            self.recipe["rows_per_batch"] * self.recipe["pack_len"],
+        )
+        units, cur = [], []
+        for k in keys:  # consecutive keys, about one micro-batch of tokens per unit
+            if cur and sum(len(tokens[c]) for c in cur) + len(tokens[k]) > budget:
+                units.append(cur)
+                cur = []
+            cur.append(k)
+        units.append(cur)
+        buf = kept.dir / "produce" / store.stable_hash(keys)
+        shutil.rmtree(buf, ignore_errors=True)
+        buf.mkdir(parents=True)
+        index = {k: i for i, k in enumerate(keys)}
+        with open(buf / "sequences.jsonl", "w") as f:
+            f.writelines(json.dumps(tokens[k]) + "\n" for k in keys)
+        max_len = max(len(v) for v in tokens.values()) + 8
+        hb.write_json(buf / "producer_config.json", {**self.pcfg, "max_model_len": max_len})
+        hb.write_json(buf / "plan.json", {"units": [[index[k] for k in u] for u in units]})
+        hb.write_json(buf / "cursor.json", {"next": 0})
+        session = f"{os.getpid()}-{time.time_ns()}"
+        cpu, n = self.device.type == "cpu", self.recipe["num_producers"]
+        start = self.recipe["start_producers"]
+        procs = [engine_hidden.launch(buf, i, n, session, cpu) for i in range(n)] if start else []
+        self.stats["producer_sessions"] += 1
+        try:
+            for u, unit in enumerate(units):
+                path = buf / hb.unit_name(u)
+                engine_hidden.wait_for(path, procs, buf)
+                kept.add(path, unit, [len(tokens[k]) for k in unit])
+                hb.write_json(buf / "cursor.json", {"next": u + 1})
+                self.stats["produced_tokens"] += sum(len(tokens[k]) for k in unit)
+        finally:
+            engine_hidden.stop(procs, buf / f"STOP.{session}")
+        shutil.rmtree(buf, ignore_errors=True)
+
+    @torch.no_grad()
+    def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = self._store()
+        need = {k: batch.input_ids[r, s : s + n].tolist() for r, segs in enumerate(batch.segments)
+                for k, s, n in segs if k not in kept}  # fmt: skip
+        if need:  # a call outside prepared sets (e.g. teacher-forced held-out tau)
+            self.produce(need)
+
+        def rows(key: str, n: int) -> torch.Tensor:
+            self.stats["kept_tokens"] += n
+            return kept.read(key, n)
+
+        aux, last = assemble(batch, rows, self.aux_cols, self.last_col, self.h)
+        return aux.to(self.device), self.head(last.to(self.device))

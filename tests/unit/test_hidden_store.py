@@ -1,0 +1,171 @@
+"""Kept hidden states per sequence (`hidden_store`) and float8 storage, without vLLM.
+
+Producers run in threads with an engine computing the hidden states by transformers
+(`tests.support.hf_producer`); every served batch is compared with `hidden.OnlineHidden` on its own copy of
+the target. tests/server/test_vllm_hidden.py runs the kept store with real vLLM.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle_lib import params
+from eagle_lib.drafter import engine_hidden, hidden, hidden_store
+from eagle_lib.drafter import hidden_buffer as hb
+from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.train import Params
+from tests.support import eagle_tiny, hf_producer
+
+torch.set_num_threads(1)
+AUX = [1, 3, 4]  # the default aux layers of an 8-layer target
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path, model = eagle_tiny.load_target(tmp_path_factory.mktemp("tiny"))
+    return path, model, AutoModelForCausalLM.from_pretrained(path).eval()  # the producers' own copy
+
+
+def seqs(n, seed, prefix="s"):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 20, (n,), generator=g).tolist()
+    return [Sequence(f"{prefix}{i}", torch.randint(0, eagle_tiny.VOCAB, (t,), generator=g).tolist(), [1] * t)
+            for i, t in enumerate(lengths)]  # fmt: skip
+
+
+def plan(ss, per_unit):
+    batches = [make_batch(ss, [list(range(i, min(i + per_unit, len(ss))))], PAD_TO)
+               for i in range(0, len(ss), per_unit)]  # fmt: skip
+    units = [[k for row in b.segments for k, _, _ in row] for b in batches]
+    return batches, units, {seq_key(s.input_ids): s.input_ids for s in ss}
+
+
+def source(path, model, buf, units, tokens, kept, keep=True):
+    ids = engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)
+    pcfg = {"target": str(path), "layer_ids": ids, "num_layers": eagle_tiny.LAYERS, "hidden_size": 64,
+            "model_dtype": "float32", "storage_dtype": "float32", "tensor_parallel_size": 1, "max_model_len": 64,
+            "trust_remote_code": False, "connector": "cpu", "units_per_call": 4, "max_buffer_bytes": 10**8}  # fmt: skip
+    head = hidden.load_target_head(str(path), model.config)
+    return engine_hidden.VllmHidden(buf, units, tokens, 0, ids, AUX, head, 64, torch.device("cpu"),
+                                    producer_cfg=pcfg, keep=keep, kept=kept)  # fmt: skip
+
+
+def store_of(path, model, root):
+    t = hidden.load_target_tensors(str(path), {"e": ["model.embed_tokens.weight"], "h": ["lm_head.weight"]})
+    cfg = {"layer_ids": engine_hidden.layer_ids(AUX, 8), "model_dtype": "float32", "storage_dtype": "float32"}
+    return hidden_store.HiddenStore(root, hidden_store.identity(str(path), model.config, t["e"], t["h"], cfg))
+
+
+def check_online(src, model, batches):
+    online = hidden.OnlineHidden(model, AUX)
+    try:
+        for b in batches:
+            aux, logits = src(b)
+            ref_aux, ref_logits = online(b)
+            real = b.doc_ids >= 0
+            torch.testing.assert_close(aux[real], ref_aux[real], rtol=0, atol=1e-4)
+            torch.testing.assert_close(logits[real], ref_logits[real], rtol=0, atol=1e-4)
+    finally:
+        online.close()
+
+
+def test_kept_sequences_serve_another_plan_and_a_partly_kept_one_makes_only_the_missing(target, tmp_path,
+                                                                                      monkeypatch):  # fmt: skip
+    path, model, own = target
+    started = hf_producer.patch(monkeypatch, own)
+    first = seqs(8, 0)
+    batches, units, tokens = plan(first, 2)
+    src = source(path, model, tmp_path / "b1", units, tokens, store_of(path, model, tmp_path / "root"))
+    check_online(src, model, batches)
+    assert len(started) == 1 and not started[0].errors
+    assert not list((tmp_path / "b1").glob("unit_*"))  # moved into the store
+    kept = store_of(path, model, tmp_path / "root")  # a later run: the index read from disk
+    assert len(kept) == len(first) and all(k in kept for k in tokens)
+
+    # another plan over the same sequences (other grouping and order, as another seed or more steps give)
+    batches, units, tokens = plan(first[::-1], 3)
+    src = source(path, model, tmp_path / "b2", units, tokens, kept)
+    assert src.procs == [] and all(m == [] for m in src.made)  # nothing to make: no producer starts
+    check_online(src, model, batches)
+    assert src.summary()["kept_tokens_read"] == sum(len(s.input_ids) for s in first)
+
+    # a partly kept set: only the new sequences are planned for the producer, the rest read from the store
+    extra = seqs(3, 1, "x")
+    mixed = [first[0], extra[0], first[5], extra[1], extra[2], first[3]]
+    batches, units, tokens = plan(mixed, 2)
+    src = source(path, model, tmp_path / "b3", units, tokens, kept)
+    assert [k for m in src.made for k in m] == [seq_key(s.input_ids) for s in extra]
+    made = [json.loads(x) for x in (tmp_path / "b3" / "sequences.jsonl").read_text().splitlines()]
+    assert made == [s.input_ids for s in extra]
+    check_online(src, model, batches)
+    assert len(started) == 2 and not started[1].errors
+    s = src.summary()
+    assert s["made_tokens_read"] == sum(len(x.input_ids) for x in extra)
+    assert s["kept_tokens_read"] == sum(len(x.input_ids) for x in mixed) - s["made_tokens_read"]
+
+
+def test_a_unit_repeating_sequences_of_an_earlier_unit_is_not_made_when_keeping(
+    target, tmp_path, monkeypatch
+):
+    path, model, own = target
+    hf_producer.patch(monkeypatch, own)
+    ss = seqs(4, 2)
+    b1, u1, tokens = plan(ss, 2)
+    batches, units = b1 + b1[::-1], u1 + u1[::-1]  # a second epoch
+    src = source(path, model, tmp_path / "b", units, tokens, store_of(path, model, tmp_path / "root"))
+    assert [len(m) for m in src.made] == [2, 2, 0, 0]
+    check_online(src, model, batches)
+    streamed = source(
+        path, model, tmp_path / "c", units, tokens, store_of(path, model, tmp_path / "r2"), False
+    )
+    assert [len(m) for m in streamed.made] == [2, 2, 2, 2]  # not keeping: every epoch is made again
+    check_online(streamed, model, batches)
+
+
+def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeypatch):
+    path, model, own = target
+    started = hf_producer.patch(monkeypatch, own)
+    recipe = Params(
+        hidden_source="vllm", hidden_dump_dir=str(tmp_path / "hs"), rows_per_batch=2, pack_len=64
+    ).model_dump()
+    src = hidden_store.KeptSource(
+        recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu")
+    )
+    with pytest.raises(RuntimeError, match="use_root"):
+        src.prepare(seqs(2, 0))
+    src.use_root(tmp_path / "run")
+    a, b = seqs(6, 3), seqs(3, 4, "y")
+    src.prepare(a)
+    assert src.stats["producer_sessions"] == 1 and src.stats["produced_tokens"] == sum(
+        len(s.input_ids) for s in a
+    )
+    src.prepare(a[:3])  # a nested subset: all kept
+    assert src.stats["producer_sessions"] == 1
+    src.prepare(a[2:] + b)  # partly kept: only b is made
+    assert src.stats["producer_sessions"] == 2
+    assert src.stats["produced_tokens"] == sum(len(s.input_ids) for s in a + b)
+    assert not any(x.errors for x in started)
+    check_online(src, model, plan(a + b, 3)[0])
+    assert not list((tmp_path / "hs" / "kept").glob("*/produce/*"))  # the sessions' buffers are removed
+
+
+def test_float8_storage_keeps_each_rows_range_within_e4m3_rounding(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, 64, generator=g) * torch.logspace(-4, 4, 40)[:, None, None]  # rows 1e-4 .. 1e4
+    x[3, 1, 7] = 5e5  # an outlier: its row's scale follows it
+    enc = hb.encode(x, "float8_e4m3fn")
+    assert enc["hidden_states"].dtype == torch.float8_e4m3fn and enc["scale"].shape == (40, 4)
+    y = hb.decode(enc["hidden_states"], enc["scale"])
+    scale = x.abs().amax(-1, keepdim=True) / 448  # independent of the code: e4m3 has 3 mantissa bits
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10)  # half an ulp (normal), half the subnormal step
+    assert bool(((y - x).abs() <= bound * 1.0001).all())
+    torch.testing.assert_close(y.abs().amax(-1), x.abs().amax(-1), rtol=1e-6, atol=0)  # the range is kept
+    for dtype, size in (("float32", 4), ("bfloat16", 2), ("float8_e4m3fn", 1)):
+        path = tmp_path / f"{dtype}.safetensors"
+        save_file({**hb.encode(x, dtype), "token_ids": torch.zeros(40, dtype=torch.long),
+                   "lengths": torch.tensor([40])}, str(path))  # fmt: skip
+        assert 40 * 4 * 64 * size <= path.stat().st_size <= hb.shard_bytes(40, 1, 4, 64, dtype)
