@@ -74,6 +74,14 @@ class Params(params.Strict):
     )
     ttt_steps: int = 0  # TTT unroll length k; 0 takes the preset's
     loss_decay: float = 0.0  # weight of step i is decay**i; 0 takes the preset's
+    ttt_input: Literal["label", "drafted"] = (
+        "label"  # input token of unroll steps >= 1: the data's next token | the drafter's own previous draft
+    )
+    target_temperature: float = 1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
+    # normalisation options of later EAGLE-3 trainers (speculators' names): ours only, 05 writes no exports
+    norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of the raw hidden
+    norm_before_fc: bool = False  # an RMSNorm (extra weight input_norm) on the 3H_t features before fc
+    norm_output: bool = False  # feed norm(out) back to the next draft step instead of the pre-norm out
     epochs: int = 1  # passes over the training rows (ignored when max_steps > 0)
     max_steps: int = 80  # optimizer steps; 0 means epochs x steps per epoch
     learning_rate: float = 5e-3  # AdamW peak learning rate (toy; 1e-4 suits large targets)

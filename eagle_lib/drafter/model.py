@@ -23,7 +23,10 @@ the target's positions, pre-norm output hidden recycled).
 The decoder layer: ``residual = hidden``; attention over
 ``concat(input_layernorm(embed(ids)), hidden_norm(hidden))`` (width 2H); ``h = residual + attn``;
 ``out = h + mlp(post_attention_layernorm(h))``; ``logits = lm_head(norm(out))`` over the draft vocab, whose
-ids map to the target's by ``target_id = draft_id + d2t[draft_id]``.
+ids map to the target's by ``target_id = draft_id + d2t[draft_id]``. Config options (off by default, named as
+in speculators / vLLM): ``norm_before_residual`` (residual = hidden_norm(hidden)), ``norm_before_fc`` (an
+``input_norm`` RMSNorm on the 3H_t features before fc: one extra weight) and ``norm_output`` (the hidden fed
+back to the next draft step is ``norm(out)``).
 
 Incremental decoding: ``DraftCache`` holds the layer's keys/values in position order. ``forward`` with a
 cache appends the new rows (each new row attends to every cached row and causally to the new ones) and
@@ -64,6 +67,10 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # normalisation options of later EAGLE-3 trainers (speculators / vLLM config keys), all off = the original layer
+    norm_before_residual: bool = False  # the residual is hidden_norm(hidden), not the raw hidden
+    norm_before_fc: bool = False  # RMSNorm ``input_norm`` (3H_t) on the concatenated features before fc
+    norm_output: bool = False  # the hidden fed back to the next draft step is norm(out), not the pre-norm out
 
     @classmethod
     def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None):
@@ -195,6 +202,8 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"EAGLE-3 needs 3 aux layers, got {c.aux_layers}")
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        if c.norm_before_fc:  # only then: the default state dict stays the SGLang checkpoint layout
+            self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -229,6 +238,8 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(
                 width_error(aux_hidden.shape[-1], self.config.target_hidden_size, "Eagle3Drafter")
             )
+        if self.config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +256,8 @@ class Eagle3Drafter(nn.Module):
         layer, c = self.midlayer, self.config
         b, t = input_ids.shape
         emb = layer.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
-        x = torch.cat([emb, layer.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([emb, normed], dim=-1)  # (B, T, 2H)
         att = layer.self_attn
         q = att.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = att.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
@@ -253,7 +265,7 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rope(position_ids, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return q, k, v, hidden
+        return q, k, v, normed if c.norm_before_residual else hidden
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn (B, nh, T, D) -> pre-norm output hidden (B, T, H)."""
@@ -266,11 +278,16 @@ class Eagle3Drafter(nn.Module):
         """(B, T, H) pre-norm hidden -> (B, T, N_draft) logits."""
         return self.lm_head(self.norm(out_hidden))
 
+    def feedback(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden (B, T, H) fed to the next draft step: pre-norm out, or norm(out) under norm_output."""
+        return self.norm(out_hidden) if self.config.norm_output else out_hidden
+
     # --- inference ---------------------------------------------------------------------------------
     def forward(self, input_ids, hidden, position_ids, cache: DraftCache | None = None):
-        """One pass over new rows: returns (out_hidden (B, T, H) pre-norm, logits (B, T, N_draft)).
+        """One pass over new rows: returns (out_hidden (B, T, H), logits (B, T, N_draft)).
 
-        ``hidden`` is ``project(features)`` for rows with target features, else the previous out_hidden.
+        ``hidden`` is ``project(features)`` for rows with target features, else the previous out_hidden;
+        out_hidden is the pre-norm output (``feedback``: post-norm under ``norm_output``).
         """
         q, k, v, residual = self.qkv(input_ids, hidden, position_ids)
         past = len(cache) if cache is not None else 0
@@ -283,7 +300,7 @@ class Eagle3Drafter(nn.Module):
             mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=past)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out = self.finish(attn, residual)
-        return out, self.head(out)
+        return self.feedback(out), self.head(out)
 
     def new_cache(self) -> DraftCache:
         return DraftCache()

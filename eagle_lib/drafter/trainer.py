@@ -19,6 +19,7 @@ from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_targe
 # tqdm.auto (imported by transformers / huggingface_hub while the target loads) warns on stderr in a kernel without
 # ipywidgets: noise in the executed 05 report
 warnings.filterwarnings("ignore", message="IProgress not found")
+NORM_OPTIONS = ("norm_before_residual", "norm_before_fc", "norm_output")  # Eagle3Config flags, not exported
 
 
 # --- setup -------------------------------------------------------------------------------------------
@@ -171,6 +172,8 @@ def build(cfg: params.StageConfig, device, fp: str = ""):
         cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples, p.max_eval_samples, keep
     )
     config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
+    config.norm_before_residual, config.norm_before_fc = p.norm_before_residual, p.norm_before_fc
+    config.norm_output = p.norm_output
     d2t, t2d, vinfo = vocab.for_stage(cfg, train_seqs, config.vocab_size)
     torch.manual_seed(cfg.shared.seed)
     drafter = Eagle3Drafter(config)
@@ -196,7 +199,9 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     world = distributed.world()[1]
     total = p.max_steps or max(1, p.epochs * stream.per_epoch // (world * p.grad_accum))
     attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
-    model = distributed.wrap(ttt.TTT(drafter, k, decay, attn), p.distributed, device)
+    model = distributed.wrap(
+        ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature), p.distributed, device
+    )
     trainable = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(
         trainable, lr=p.learning_rate, betas=tuple(p.adam_betas), weight_decay=p.weight_decay
@@ -233,7 +238,11 @@ def _finish(cfg, model, config, summary, tally, t_start, fp: str) -> None:
         return
     out = cfg.out("drafter")
     save_state(checkpoints.drafter_state(model_state), config, out / "final", {"training": summary})
-    summary["exports"] = checkpoints.export_final(cfg, out)
+    norms = [n for n in NORM_OPTIONS if getattr(config, n)]
+    if norms:  # the exports describe the original EAGLE-3 layer: an engine would run a different drafter
+        summary["exports"] = {"skipped": f"{', '.join(norms)}: ours only, the exports cannot carry it"}
+    else:
+        summary["exports"] = checkpoints.export_final(cfg, out)
     store.write_json(out / "final" / "summary.json", summary)
     store.write_json(out / "summary.json", summary)
     (out / "stopped.json").unlink(missing_ok=True)

@@ -3,8 +3,10 @@
 Step ``i`` (0-based) at row index ``t`` simulates draft step ``i`` after a prefix ending at position ``t``
 (see `eagle_lib.drafter.model` for the inference alignment):
 
-* input token ``x[t+1+i]`` (the true token; the chain only continues when the drafts were right),
-  position ``t + i``, hidden = ``fc(f_t)`` at step 0, else the step ``i-1`` output hidden at ``t``;
+* input token ``x[t+1+i]`` (the true token; the chain only continues when the drafts were right), or with
+  ``feed="drafted"`` at steps ``i >= 1`` the drafter's own step ``i-1`` argmax at ``t`` (as drafting feeds its
+  drafts; equal to ``x[t+1+i]`` wherever that draft was right), position ``t + i``, hidden = ``fc(f_t)`` at
+  step 0, else the step ``i-1`` output hidden at ``t`` (`Eagle3Drafter.feedback`);
 * attention: step-0 keys at rows ``s <= t`` of the same sequence, plus the keys of steps ``1..i`` at row
   ``t`` only (the diagonal), exactly the keys a drafter sees at draft step ``i`` in vLLM / SGLang;
 * target: the target's distribution at position ``t+1+i`` (it predicts ``x[t+2+i]``) restricted to the
@@ -12,7 +14,8 @@ Step ``i`` (0-based) at row index ``t`` simulates draft step ``i`` after a prefi
   sequence.
 
 Loss = sum_i decay^i * mean soft cross-entropy over label positions whose target argmax is in the draft
-vocab. ``acc_i`` counts every label position (an argmax outside the draft vocab is a miss, as it is at
+vocab; the soft target is ``softmax(target_logits / target_temperature)`` over the draft vocab (1.0: the
+target's own distribution; below 1 sharper, towards the argmax that greedy verification accepts). ``acc_i`` counts every label position (an argmax outside the draft vocab is a miss, as it is at
 serving time); ``cond_acc_i`` is acc given steps ``< i`` were right at the same row.
 """
 
@@ -88,16 +91,30 @@ def ttt_attention_sdpa(q, k0, v0, mask0, ks: list, vs: list) -> torch.Tensor:
 
 
 ATTENTION = {"eager": ttt_attention, "sdpa": ttt_attention_sdpa}
+FEEDS = ("label", "drafted")  # input token of steps >= 1: the data's next token | the drafter's own draft
 
 
 class TTT(nn.Module):
     """Wraps the drafter so one forward = one TTT unroll (DDP/FSDP wrap this module)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "eager"):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        steps: int,
+        decay: float,
+        attention: str = "eager",
+        feed: str = "label",
+        target_temperature: float = 1.0,
+    ):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention {attention!r}: choose one of {sorted(ATTENTION)}")
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        if feed not in FEEDS:
+            raise ValueError(f"ttt_input {feed!r}: choose one of {list(FEEDS)}")
+        if target_temperature <= 0:
+            raise ValueError(f"target_temperature must be > 0 (got {target_temperature})")
+        self.drafter, self.steps, self.decay, self.feed = drafter, steps, decay, feed
+        self.temperature = target_temperature
         self.attention = ATTENTION[attention]
 
     def forward(self, input_ids, position_ids, doc_ids, loss_mask, aux, target_logits):
@@ -108,7 +125,7 @@ class TTT(nn.Module):
         with torch.no_grad():
             t_arg = target_logits.argmax(-1)  # (B, T) target ids
             t_in = d.t2d[t_arg]  # (B, T) argmax in the draft vocab
-            t_logp = at_least_fp32(target_logits[..., d.draft_ids()]).log_softmax(-1)  # (B, T, N)
+            t_logp = (at_least_fp32(target_logits[..., d.draft_ids()]) / self.temperature).log_softmax(-1)
             same = doc_ids[:, :, None] == doc_ids[:, None, :]
             mask0 = (same & torch.ones_like(same).tril())[:, None]  # (B, 1, T, T)
         hidden = d.project(aux.to(d.fc.weight.dtype))  # (B, T, H)
@@ -117,17 +134,20 @@ class TTT(nn.Module):
         prefix = torch.ones_like(loss_mask)
         total = at_least_fp32(hidden.new_zeros(()))
         stats = []
+        fed = None  # (B, T) drafted input ids of the next step (feed="drafted")
         for i in range(self.steps):
-            q, k, v, res = d.qkv(shift(input_ids, 1 + i, 0), hidden, position_ids + i)
+            tokens = shift(input_ids, 1 + i, 0) if fed is None else fed
+            q, k, v, res = d.qkv(tokens, hidden, position_ids + i)
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             if i == 0:
                 k0, v0 = k, v
             else:
                 ks.append(k)
                 vs.append(v)
-            hidden = d.finish(self.attention(q, k0, v0, mask0, ks, vs), res)  # (B, T, H)
+            out = d.finish(self.attention(q, k0, v0, mask0, ks, vs), res)  # (B, T, H) pre-norm
+            hidden = d.feedback(out)
             labels = shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids)  # (B, T)
-            logits = at_least_fp32(d.head(hidden[labels]))  # (n, N) only at label rows
+            logits = at_least_fp32(d.head(out[labels]))  # (n, N) only at label rows
             at = labels[:, : max(0, labels.shape[1] - 1 - i)]  # row t reads the target at t+1+i
             tgt_logp = t_logp[:, 1 + i :][at]  # (n, N), no shifted copy of (B, T, N)
             tgt_arg = t_arg[:, 1 + i :][at]
@@ -137,8 +157,12 @@ class TTT(nn.Module):
             n_loss = in_vocab.sum()
             total = total + self.decay**i * loss_sum / n_loss.clamp(min=1)
             with torch.no_grad():
+                drafted = d.draft_ids()[logits.argmax(-1)]  # (n,) target ids
+                if self.feed == "drafted":  # rows without a label keep the data's token
+                    fed = shift(input_ids, 2 + i, 0).clone()
+                    fed[labels] = drafted
                 correct = torch.zeros_like(labels)
-                correct[labels] = d.draft_ids()[logits.argmax(-1)] == tgt_arg
+                correct[labels] = drafted == tgt_arg
                 den = (labels & prefix).sum()
                 prefix = prefix & labels & correct
                 row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]

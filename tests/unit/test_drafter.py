@@ -124,16 +124,22 @@ def naive_forward(m: Eagle3Drafter, ids, feats_hidden, positions):
             ) / math.sqrt(c.head_dim)
             w = torch.softmax(scores, 0)
             out[i, h] = sum(w[j] * v[j, h // group] for j in range(i + 1))
-    hmid = feats_hidden + out.reshape(t, -1) @ sd["midlayer.self_attn.o_proj.weight"].T
+    resid = (
+        _rms(feats_hidden, sd["midlayer.hidden_norm.weight"], c.rms_norm_eps)
+        if c.norm_before_residual
+        else feats_hidden
+    )
+    hmid = resid + out.reshape(t, -1) @ sd["midlayer.self_attn.o_proj.weight"].T
     y = _rms(hmid, sd["midlayer.post_attention_layernorm.weight"], c.rms_norm_eps)
     g = y @ sd["midlayer.mlp.gate_proj.weight"].T
     mlp = ((g * torch.sigmoid(g)) * (y @ sd["midlayer.mlp.up_proj.weight"].T)) @ sd[
         "midlayer.mlp.down_proj.weight"
     ].T
     out_h = hmid + mlp
-    logits = _rms(out_h, sd["norm.weight"], c.rms_norm_eps) @ sd["lm_head.weight"].T
+    normed = _rms(out_h, sd["norm.weight"], c.rms_norm_eps)
+    logits = normed @ sd["lm_head.weight"].T
     assert L is m.midlayer
-    return out_h, logits
+    return (normed if c.norm_output else out_h), logits
 
 
 def test_forward_matches_naive_reference():
@@ -147,6 +153,42 @@ def test_forward_matches_naive_reference():
     ref_h, ref_l = naive_forward(m, ids[0], hidden[0], pos[0])
     torch.testing.assert_close(out[0], ref_h, rtol=1e-6, atol=1e-6)  # rope angles are fp32, as in HF
     torch.testing.assert_close(logits[0], ref_l, rtol=1e-6, atol=1e-6)
+
+
+NORM_OPTIONS = ["norm_before_residual", "norm_before_fc", "norm_output"]
+
+
+@pytest.mark.parametrize("option", NORM_OPTIONS)
+def test_norm_option_matches_naive_reference_and_changes_only_its_part(option):
+    """Each later-EAGLE normalisation option against the hand-written layer; off = the original layer."""
+    base, opt = randomized(small_config()), randomized(small_config(**{option: True}))
+    if option == "norm_before_fc":
+        assert set(opt.state_dict()) - set(base.state_dict()) == {"input_norm.weight"}
+        with torch.no_grad():
+            opt.input_norm.weight.copy_(torch.randn(72, dtype=torch.float64))
+    else:
+        assert set(opt.state_dict()) == set(base.state_dict())
+    opt.load_state_dict(base.state_dict(), strict=False)  # same weights: only the option differs
+    ids = torch.randint(0, 40, (1, 6))
+    feats = torch.randn(1, 6, 72, dtype=torch.float64)
+    pos = torch.arange(2, 8)[None]
+    if option == "norm_before_fc":
+        ref = _rms(feats, opt.input_norm.weight, opt.config.rms_norm_eps) @ opt.fc.weight.T
+        torch.testing.assert_close(opt.project(feats), ref, rtol=1e-5, atol=1e-5)  # RMSNorm runs in fp32
+        assert not torch.allclose(opt.project(feats), base.project(feats))
+    hidden = base.project(feats)  # the layer itself on the same input hidden
+    out, logits = opt(ids, hidden, pos)
+    ref_h, ref_l = naive_forward(opt, ids[0], hidden[0], pos[0])
+    torch.testing.assert_close(out[0], ref_h, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits[0], ref_l, rtol=1e-6, atol=1e-6)
+    b_out, b_logits = base(ids, hidden, pos)
+    if option == "norm_before_fc":  # the layer is untouched: only project differs
+        torch.testing.assert_close((out, logits), (b_out, b_logits))
+    elif option == "norm_output":  # same logits, the fed-back hidden is post-norm
+        torch.testing.assert_close(logits, b_logits)
+        assert not torch.allclose(out, b_out)
+    else:
+        assert not torch.allclose(logits, b_logits)
 
 
 def test_cache_append_and_crop_match_full_forward():

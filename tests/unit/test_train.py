@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 V, H, HT = 40, 32, 24
 
 
-def drafter(seed=0, n=V) -> Eagle3Drafter:
+def drafter(seed=0, n=V, **options) -> Eagle3Drafter:
     torch.manual_seed(seed)
     c = Eagle3Config(
         hidden_size=H,
@@ -29,6 +29,7 @@ def drafter(seed=0, n=V) -> Eagle3Drafter:
         draft_vocab_size=n,
         target_hidden_size=HT,
         aux_layers=[1, 3, 4],
+        **options,
     )
     m = Eagle3Drafter(c).double()
     with torch.no_grad():
@@ -50,13 +51,15 @@ def inputs(t, seed=0, b=1):
     return ids, pos, torch.zeros(b, t, dtype=torch.long), aux, logits
 
 
-def inference_chain(m, ids, aux, t, steps):
-    """Logits of draft steps 0..steps-1 after the prefix ending at t, run as an engine runs the drafter."""
+def inference_chain(m, ids, aux, t, steps, drafted=False):
+    """Logits of draft steps 0..steps-1 after the prefix ending at t, run as an engine runs the drafter;
+    ``drafted``: step j reads the previous step's greedy draft (as decoding does), else the data's token."""
     cache = m.new_cache()
     out, lg = m(ids[:, 1 : t + 2], m.project(aux[:, : t + 1]), torch.arange(t + 1)[None], cache)
     h, res = out[:, -1:], [lg[0, -1]]
     for j in range(1, steps):
-        h, lg = m(ids[:, t + 1 + j : t + 2 + j], h, torch.tensor([[t + j]]), cache)
+        tok = m.draft_to_target(res[-1].argmax())[None, None] if drafted else ids[:, t + 1 + j : t + 2 + j]
+        h, lg = m(tok, h, torch.tensor([[t + j]]), cache)
         res.append(lg[0, -1])
     return res
 
@@ -66,23 +69,68 @@ def soft_ce(draft_logits, target_logits, m):
     return -(p * F.log_softmax(draft_logits, -1)).sum()
 
 
+CASES = {  # (drafter options, ttt_input, target_temperature)
+    "original": ({}, "label", 1.0),
+    "norm_before_residual": ({"norm_before_residual": True}, "label", 1.0),
+    "norm_before_fc": ({"norm_before_fc": True}, "label", 1.0),
+    "norm_output": ({"norm_output": True}, "label", 1.0),
+    "drafted": ({}, "drafted", 1.0),
+    "sharpened_target": ({}, "label", 0.5),
+    "drafted_norm_all": (
+        {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+        "drafted",
+        1.0,
+    ),
+}
+
+
 @torch.no_grad()
-def test_ttt_loss_equals_inference_chain_reference():
-    """Every TTT row/step has the logits the served drafter would have, and the loss is their soft CE."""
-    m, t_len, k = drafter(n=20), 11, 3
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ttt_loss_equals_inference_chain_reference(case):
+    """Every TTT row/step has the logits the served drafter would have, and the loss is their soft CE; with
+    the norm options and with the self-fed unroll (drafted: the chain feeds its own greedy drafts)."""
+    options, feed, temp = CASES[case]
+    m, t_len, k = drafter(n=20, **options), 11, 3
+    if options.get("norm_before_fc"):
+        m.input_norm.weight.normal_()  # away from 1 so a missing norm shows
     ids, pos, doc, aux, tl = inputs(t_len)
     mask = torch.ones(1, t_len, dtype=torch.bool)
-    loss, stats = ttt.TTT(m, k, 0.7)(ids, pos, doc, mask, aux, tl)
+    loss, stats = ttt.TTT(m, k, 0.7, feed=feed, target_temperature=temp)(ids, pos, doc, mask, aux, tl)
     expected = 0.0
     for i in range(k):
         ces = []
         for t in range(t_len - 2 - i):
-            lg = inference_chain(m, ids, aux, t, i + 1)[i]
+            lg = inference_chain(m, ids, aux, t, i + 1, drafted=feed == "drafted")[i]
             if m.t2d[tl[0, t + 1 + i].argmax()]:  # loss only where the target argmax is in the draft vocab
-                ces.append(soft_ce(lg, tl[0, t + 1 + i], m))
+                ces.append(soft_ce(lg, tl[0, t + 1 + i] / temp, m))
         assert stats[i, ttt.N_LABELS] == t_len - 2 - i and stats[i, ttt.N_LOSS] == len(ces)
         expected += 0.7**i * (sum(ces) / max(1, len(ces)))
     assert loss.item() == pytest.approx(float(expected), rel=1e-9)
+
+
+@torch.no_grad()
+def test_drafted_unroll_equals_label_unroll_when_the_draft_is_the_label():
+    """Self-fed = teacher-forced exactly when the draft equals the data's next token: k=2 with labels at 2
+    and 3 only (step 0 trains rows 0 and 1, step 1 row 0); x_2 is set to row 0's own greedy draft, then
+    changed, which must change step 1's loss only."""
+    m, t_len, k = drafter(seed=3, n=20), 8, 2
+    ids, pos, doc, aux, tl = inputs(t_len, seed=4)
+    tl[..., m.draft_ids()[7]] += 20.0  # the target's argmax in the draft vocab: every label has a loss
+    mask = torch.zeros(1, t_len, dtype=torch.bool)
+    mask[0, 2:4] = True
+    draft0 = inference_chain(m, ids, aux, 0, 1)[0].argmax()  # reads x_1 and f_0 only
+    ids[0, 2] = m.draft_to_target(draft0)
+    a = ttt.TTT(m, k, 0.7, feed="label")(ids, pos, doc, mask, aux, tl)
+    b = ttt.TTT(m, k, 0.7, feed="drafted")(ids, pos, doc, mask, aux, tl)
+    torch.testing.assert_close(a, b)
+    assert a[1][1, ttt.N_LABELS] == 1  # step 1 did train a row
+    ids[0, 2] = (ids[0, 2] + 1) % V  # now the data's token is not the draft
+    a = ttt.TTT(m, k, 0.7, feed="label")(ids, pos, doc, mask, aux, tl)
+    b = ttt.TTT(m, k, 0.7, feed="drafted")(ids, pos, doc, mask, aux, tl)
+    assert a[1][0, ttt.LOSS_SUM] == b[1][0, ttt.LOSS_SUM]
+    assert a[1][1, ttt.LOSS_SUM] != b[1][1, ttt.LOSS_SUM]
+    with pytest.raises(ValueError, match="ttt_input"):
+        ttt.TTT(m, k, 0.7, feed="sampled")
 
 
 @torch.no_grad()
@@ -193,7 +241,9 @@ def test_resume_continues_the_same_run(world, tmp_path):
     assert part == {"stopped_at_step": 3, "total_steps": 6}
     ck = sorted((cut_dir / "drafter/checkpoints").glob("*/step_*"))
     assert [c.name for c in ck] == ["step_0000002"]  # step 3 was not checkpointed: resume from 2
-    assert {"model.safetensors", "optimizer.safetensors", "trainer.json", "COMPLETE"} <= {p.name for p in ck[0].iterdir()}
+    assert {"model.safetensors", "optimizer.safetensors", "trainer.json", "COMPLETE"} <= {
+        p.name for p in ck[0].iterdir()
+    }
     resumed = train.run(eagle_tiny.stage_config(cut_dir, root / "target"))
     a = store.read_jsonl(full_dir / "drafter/train_log.jsonl")
     b = store.read_jsonl(cut_dir / "drafter/train_log.jsonl")
@@ -229,7 +279,9 @@ def test_nan_guard_skips_then_aborts(world, tmp_path, monkeypatch):
     assert [r["skipped"] for r in log] == [False, True, False]
     calls["n"] = 0
     monkeypatch.setattr(
-        trainer, "_micro_step", lambda m, s, b, *a: real(m, lambda x: tuple(y * math.nan for y in s(x)), b, *a)
+        trainer,
+        "_micro_step",
+        lambda m, s, b, *a: real(m, lambda x: tuple(y * math.nan for y in s(x)), b, *a),
     )
     with pytest.raises(FloatingPointError, match="consecutive"):
         train.run(eagle_tiny.stage_config(run, root / "target", max_steps=5, max_bad_steps=1, resume=False))

@@ -1,0 +1,158 @@
+"""Stage-05 recipe variants side by side, each measured by decoding the held-out prompts (06's tau).
+
+Every variant is params/toy.yaml's 05 section plus a few overrides, trained by stage 05 itself (`train.run`) on a
+cached run's stages 01-03 (``--run-dir``, read only: its data/ and infer/ are symlinked into a fresh work
+directory per variant). Each trained drafter is then decoded greedily on 06's held-out prompts (``--per-dataset``
+per dataset, ``--new-tokens`` tokens, ``--drafts`` drafts per verify step; `eagle_lib.serving.heldout_tau`, as 06
+and 07 decode), and one line per variant prints its tau, the per-draft acceptance, the last measured tau logged
+while training and the wall time of its 05. Results are appended as JSON lines to ``--out``.
+
+    nice -n 5 .venv/bin/python benchmarks/bench_recipe.py --steps 200 --variants baseline norm_before_residual
+
+Two processes on different variants can share a machine; wall times then include the other's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> 05 overrides on top of params/toy.yaml (the baseline is the file itself)
+VARIANTS = {
+    "baseline": {},
+    "norm_before_residual": {"norm_before_residual": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "norm_output": {"norm_output": True},
+    "norm_all": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+    "drafted_input": {"ttt_input": "drafted"},
+    "decay_0.8": {"ttt_preset": "custom", "ttt_steps": 3, "loss_decay": 0.8},
+    "decay_0.6": {"ttt_preset": "custom", "ttt_steps": 3, "loss_decay": 0.6},
+    "k4": {"ttt_preset": "custom", "ttt_steps": 4, "loss_decay": 1.0},
+    "lr_2e-2": {"learning_rate": 0.02},
+    "lr_5e-3": {"learning_rate": 0.005},
+    "min_lr_0": {"min_lr_ratio": 0.0},
+    "min_lr_0.3": {"min_lr_ratio": 0.3},
+    "warmup_30": {"warmup_steps": 30},
+    "betas_999": {"adam_betas": [0.9, 0.999]},
+    "clip_5": {"grad_clip": 5.0},
+    "wd_0.01": {"weight_decay": 0.01},
+    "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
+}
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """A VARIANTS name, or ``name=key:value,key:value`` (values parsed as JSON, else strings)."""
+    if "=" not in spec:
+        if spec not in VARIANTS:
+            sys.exit(f"unknown variant {spec!r}: choose from {sorted(VARIANTS)} or name=key:value,...")
+        return spec, dict(VARIANTS[spec])
+    name, body = spec.split("=", 1)
+    over = {}
+    for part in body.split(","):
+        key, val = part.split(":", 1)
+        try:
+            over[key] = json.loads(val)
+        except json.JSONDecodeError:
+            over[key] = val
+    return name, over
+
+
+def stage_config(run_dir: Path, work: Path, steps: int, over: dict, measure_every: int):
+    import yaml
+
+    from eagle_lib import params, train
+
+    raw = yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())
+    stage = dict(raw["stages"]["05_train_eagle3"])
+    factor = over.pop("_steps_factor", 1.0)
+    stage.update(max_steps=max(1, round(steps * factor)), measure_every=measure_every, resume=False)
+    stage.update(checkpoint_every=10**6, num_threads=1, **over)
+    work.mkdir(parents=True, exist_ok=True)
+    for d in ("data", "infer"):
+        if not (work / d).exists():
+            (work / d).symlink_to((run_dir / d).resolve())
+    return params.StageConfig(
+        "05_train_eagle3", work, params.SharedParams(**raw["shared"]), train.Params(**stage)
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", default=str(ROOT / "outputs" / "toy"))
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--variants", nargs="+", default=["baseline"])
+    ap.add_argument("--per-dataset", type=int, default=8, help="held-out prompts per dataset (06's default)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per prompt (06's toy value)")
+    ap.add_argument("--drafts", type=int, default=3)
+    ap.add_argument("--measure-every", type=int, default=50, help="measured tau while training; 0: never")
+    ap.add_argument("--out", default="/tmp/bench_recipe/results.jsonl")
+    ap.add_argument("--keep", action="store_true", help="keep each variant's work directory")
+    a = ap.parse_args()
+    run_dir = Path(a.run_dir)
+    if not list(run_dir.glob("infer/*/responses.jsonl")):
+        sys.exit(f"{run_dir}: no infer/*/responses.jsonl; run stages 01-03 first")
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import yaml
+
+    from eagle_lib import models, params, train
+    from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import heldout_tau
+
+    torch.set_num_threads(1)
+    specs = [parse_variant(v) for v in a.variants]
+    shared = params.SharedParams(**yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())["shared"])
+    target = models.load_target(shared, device="cpu")
+    eos = heldout_tau.stop_ids(models.load_tokenizer(shared), target)
+    prompts, _ = heldout_tau.heldout_prompts(run_dir, shared.heldout_percent, a.per_dataset, 768)
+    decoder = heldout_tau.Decoder(target, prompts, a.new_tokens, a.drafts, eos)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"{len(prompts)} held-out prompts x {a.new_tokens} tokens, {a.drafts} drafts, {a.steps} steps",
+        flush=True,
+    )
+    for name, over in specs:
+        work = Path(tempfile.mkdtemp(prefix=f"recipe_{name}_", dir=out.parent))
+        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every)
+        t0 = time.perf_counter()
+        summary = train.run(cfg)
+        train_s = time.perf_counter() - t0
+        drafter = load_drafter(work / "drafter" / "final")
+        t1 = time.perf_counter()
+        num, den = decoder.decode(drafter)
+        tau = float(num.sum() / den.sum())
+        log = [json.loads(x) for x in (work / "drafter" / "train_log.jsonl").read_text().splitlines()]
+        curve = [(r["step"], round(r["measured_tau"], 3)) for r in log if "measured_tau" in r]
+        row = {
+            "variant": name,
+            "overrides": over,
+            "steps": cfg.stage.max_steps,
+            "tau": tau,
+            "heldout_acc": summary["heldout"]["acc"],
+            "measured_curve": curve,
+            "train_s": train_s,
+            "decode_s": time.perf_counter() - t1,
+            "prompts": len(prompts),
+        }
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        acc = [round(x, 3) for x in row["heldout_acc"]]
+        print(
+            f"{name:24s} steps {row['steps']:4d}  tau {tau:.3f}  heldout acc {acc}  measured {curve}  "
+            f"05 {train_s:.0f} s",
+            flush=True,
+        )
+        if not a.keep:
+            shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
