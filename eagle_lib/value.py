@@ -18,8 +18,12 @@ not training seeds.
    same budget. Value of a unit for an eval set = tau(with) - tau(without).
 3. Regenerated vs original: the same training prompts of ``original_datasets`` with the target's regenerated
    responses vs the datasets' own, cut to equal tokens.
+4. Multi-turn vs single-turn regeneration (`eagle_lib.analysis.value_multiturn`): every turn of the multi-turn
+   B conversations answered by the target vs their first turn only, at equal tokens, on held-out first- and
+   later-turn prompts (07 regenerates a bounded number each_turn when 03 did not).
 
-Writes ``value/``: curve.csv, projections.csv, lodo.csv, regen.csv, sums.json (per drafter and prompt),
+Writes ``value/``: curve.csv, projections.csv, lodo.csv, regen.csv, multiturn.csv (+ multiturn/<dataset>/ turn
+records), sums.json (per drafter and prompt),
 drafters/<key>/ (cached weights: a rerun with the same inputs reuses them), the plots and meta.json.
 """
 
@@ -72,13 +76,28 @@ class Params(params.Strict):
     regen: bool = True  # run the regenerated-vs-original study
     original_datasets: list[str] = _ORIGINALS  # B datasets with their own responses
     regen_fraction: float = 1.0  # share of those datasets (training tokens) the two arms are drawn from
+    multiturn: bool = True  # run the multi-turn vs single-turn regeneration study
+    multiturn_datasets: list[str] = ["sharegpt", "ultrachat", "glaive"]  # multi-turn B datasets compared
+    multiturn_conversations: int = (
+        24  # training conversations per dataset 07 regenerates each_turn (03 did not)
+    )
+    multiturn_heldout: int = (
+        16  # held-out source conversations per dataset regenerated each_turn for eval (0: all)
+    )
+    multiturn_base_fraction: float = 0.125  # share of the other datasets' tokens both arms also train on
 
     @model_validator(mode="after")
     def _consistent(self):
         if not self.fractions or any(not 0 < f <= 1 for f in self.fractions) or len(set(self.fractions)) < 2:
             raise ValueError("fractions: at least two distinct shares in (0, 1]")
-        if not (0 < self.lodo_fraction <= 1 and 0 < self.regen_fraction <= 1) or self.step_scale <= 0:
-            raise ValueError("lodo_fraction and regen_fraction must be in (0, 1] and step_scale > 0")
+        if (
+            not (0 < self.lodo_fraction <= 1 and 0 < self.regen_fraction <= 1)
+            or self.step_scale <= 0
+            or not (0 <= self.multiturn_base_fraction <= 1)
+        ):
+            raise ValueError(
+                "lodo_fraction and regen_fraction must be in (0, 1], multiturn_base_fraction in [0, 1], step_scale > 0"
+            )
         if (
             min(self.num_steps, self.eval_max_new_tokens, self.max_prompts_per_dataset, self.bootstrap_reps)
             < 1
@@ -93,6 +112,7 @@ def run(cfg: params.StageConfig) -> Result:
     """The whole stage: the studies the params ask for, their tables and plots, value/meta.json."""
     import pandas as pd
 
+    from eagle_lib.analysis import value_multiturn as mturn
     from eagle_lib.analysis import value_study as study
     from eagle_lib.analysis import value_tables as tables
 
@@ -104,8 +124,13 @@ def run(cfg: params.StageConfig) -> Result:
     st.save_sums()
     regen, regen_tally = study.regen(st, p) if p.regen else (pd.DataFrame(), {})
     st.save_sums()
+    mt, mt_tally = mturn.study(st, p) if p.multiturn else (pd.DataFrame(), {"skipped": "multiturn: false"})
+    st.save_sums()
     res = tables.result(st, curve_df, c, lodo, regen, p)
-    for name, df in (("curve", curve_df), ("projections", res.projections), ("lodo", lodo), ("regen", regen)):
+    res.multiturn = mt
+    res.headline |= mturn.headline(mt, mt_tally)
+    for name, df in (("curve", curve_df), ("projections", res.projections), ("lodo", lodo), ("regen", regen),
+                     ("multiturn", mt)):  # fmt: skip
         df.to_csv(st.out / f"{name}.csv", index=False)
     meta = {
         **st.prompt_tally,
@@ -116,6 +141,7 @@ def run(cfg: params.StageConfig) -> Result:
         "steps_05": st.steps05,
         "arms": list(st.arms.values()),
         "original_responses": regen_tally,
+        "multiturn": mt_tally,
         "headline": res.headline,
     }
     meta = store.write_meta(st.out, meta, started, tally=True)

@@ -91,8 +91,9 @@ class Study:
         shared = self.cfg.shared.model_dump(include=_TRAINING_SHARED)
         return store.stable_hash({"recipe": self.recipe, "shared": shared, "ids": ids, "s": (steps, warmup)})
 
-    def arm(self, name: str, study: str, seqs: list, reuse_dir: Path | None = None) -> dict:
-        """Train (or load) the drafter of one arm and decode the held-out prompts with it."""
+    def arm(self, name: str, study: str, seqs: list, reuse_dir: Path | None = None, decoder=None) -> dict:
+        """Train (or load) the drafter of one arm and decode the held-out prompts (or `decoder`'s) with it."""
+        decoder = decoder or self.decoder
         from eagle_lib.drafter.model import load_drafter, save_drafter
 
         steps, warmup = self.schedule(seqs)
@@ -107,9 +108,9 @@ class Study:
             save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
             how = "trained"
         eval_key = store.stable_hash(
-            {"d": key if reuse_dir is None else str(reuse_dir), "e": self._eval_id()}
+            {"d": key if reuse_dir is None else str(reuse_dir), "e": self._eval_id(decoder)}
         )
-        sums = self.decoder.add(name, drafter, self.cached_sums.get(eval_key))
+        sums = decoder.add(name, drafter, self.cached_sums.get(eval_key))
         self.cached_sums[eval_key] = sums
         info = {
             "arm": name, "study": study, "sequences": len(seqs), "tokens": subsets.tokens(seqs),
@@ -117,14 +118,13 @@ class Study:
             "seconds": time.time() - t0,
         }  # fmt: skip
         self.arms[name] = info
-        tau = self.decoder.sums.tau(name)
+        tau = decoder.sums.tau(name)
         print(
             f"[{STAGE}] {name}: {how}, {steps} steps on {info['tokens']} tokens, tau {tau:.3f} ({info['seconds']:.0f} s)"
         )
         return info
 
-    def _eval_id(self) -> dict:
-        d = self.decoder
+    def _eval_id(self, d) -> dict:
         src = self.cfg.stage.tau_source
         return {
             "prompts": [(q.dataset, q.id) for q in d.prompts],

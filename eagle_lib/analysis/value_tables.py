@@ -30,6 +30,7 @@ class Result:
     headline: dict = field(default_factory=dict)
     total_tokens: int = 0
     out_dir: Path = Path(".")
+    multiturn: pd.DataFrame = field(default_factory=pd.DataFrame)  # per eval set: multi- vs single-turn regen
 
 
 def _eval_sets(st) -> list[str]:
@@ -50,9 +51,9 @@ def curve_table(st, names: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _paired(st, i: str, j: str, dataset: str, reps: int, seed: int) -> dict:
+def _paired(st, i: str, j: str, dataset: str, reps: int, seed: int, sums=None) -> dict:
     """tau_i - tau_j on one eval dataset ('all': every prompt, resampled within datasets)."""
-    s = st.decoder.sums
+    s = sums or st.decoder.sums
     cols = [k for k, d in enumerate(s.datasets) if dataset in ("all", d)]
     num, den = s.rows([i, j])
     num, den = num[:, cols], den[:, cols]
@@ -112,11 +113,11 @@ def recommendation(rank: pd.DataFrame) -> str:
     )
 
 
-def pair_table(st, a: str, b: str, p) -> pd.DataFrame:
-    """Per eval set: tau of arm a and b and a - b with its paired interval."""
-    s, rows = st.decoder.sums, []
-    for e in _eval_sets(st):
-        d = _paired(st, a, b, e, p.bootstrap_reps, st.cfg.shared.seed)
+def pair_table(st, a: str, b: str, p, sums=None) -> pd.DataFrame:
+    """Per eval set: tau of arm a and b and a - b with its paired interval (on `sums`: another prompt set)."""
+    s, rows = sums or st.decoder.sums, []
+    for e in sorted(set(s.datasets)) + ["all"]:
+        d = _paired(st, a, b, e, p.bootstrap_reps, st.cfg.shared.seed, s)
         ds = None if e == "all" else e
         rows.append({"eval": e, f"tau_{a}": s.tau(a, ds), f"tau_{b}": s.tau(b, ds), "diff": d["diff"],
                      "lo": d["lo"], "hi": d["hi"], "measurable": d["measurable"]})  # fmt: skip
