@@ -135,10 +135,22 @@ class KeptSource:
         self.kept: HiddenStore | None = None
         self.stats = {"kept_tokens": 0, "produced_tokens": 0, "producer_sessions": 0}
 
-    def use_root(self, run_dir: str | Path) -> None:
-        """The store of the run whose 05 kept them (``hidden_dump_dir`` or run_dir/drafter/hidden_buffer)."""
+    def use_root(self, run_dir: str | Path, prepare: bool = True) -> None:
+        """The store of the run whose 05 kept them (``hidden_dump_dir`` or run_dir/drafter/hidden_buffer); with
+        `prepare`, the run's training sequences that 05 did not keep (05 may stop before an epoch ends) are
+        produced now, in one session, since 07's subsets are drawn from all of them."""
+        if self.kept is not None:
+            return
         root = Path(self.recipe["hidden_dump_dir"]) if self.recipe["hidden_dump_dir"] else None
         self.kept = HiddenStore(root or Path(run_dir) / "drafter" / "hidden_buffer", self.ident)
+        if prepare:
+            from eagle_lib.drafter import batches
+
+            r = self.recipe
+            train = batches.load_sequences(
+                run_dir, self.shared.heldout_percent, r["max_seq_len"], r["max_train_samples"], 1
+            )[0]
+            self.prepare(train)
 
     def _store(self) -> HiddenStore:
         if self.kept is None:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_lib import params
-from eagle_lib.drafter import engine_hidden, hidden, hidden_store
+from eagle_lib.drafter import batches, engine_hidden, hidden, hidden_store
 from eagle_lib.drafter import hidden_buffer as hb
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.train import Params
@@ -138,7 +138,7 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     )
     with pytest.raises(RuntimeError, match="use_root"):
         src.prepare(seqs(2, 0))
-    src.use_root(tmp_path / "run")
+    src.use_root(tmp_path / "run", prepare=False)
     a, b = seqs(6, 3), seqs(3, 4, "y")
     src.prepare(a)
     assert src.stats["producer_sessions"] == 1 and src.stats["produced_tokens"] == sum(
@@ -152,6 +152,15 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     assert not any(x.errors for x in started)
     check_online(src, model, plan(a + b, 3)[0])
     assert not list((tmp_path / "hs" / "kept").glob("*/produce/*"))  # the sessions' buffers are removed
+
+    run = eagle_tiny.make_run(path.parent)  # a run of this target: 07 first makes every training sequence
+    src = hidden_store.KeptSource(
+        recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu")
+    )
+    src.use_root(run)
+    train = batches.load_sequences(run, params.SharedParams().heldout_percent, recipe["max_seq_len"])[0]
+    assert src.stats["producer_sessions"] == 1 and all(seq_key(s.input_ids) in src.kept for s in train)
+    assert src.stats["produced_tokens"] == sum(len(s.input_ids) for s in train)
 
 
 def test_float8_storage_keeps_each_rows_range_within_e4m3_rounding(tmp_path):
