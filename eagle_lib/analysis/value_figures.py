@@ -114,3 +114,26 @@ def plot_regen(res):
     ax.set(ylabel="tau (held-out, offline)", title="regenerated vs original responses, equal tokens")
     ax.legend(fontsize=8)
     return _save(fig, res, "regen_vs_original.png")
+
+
+def plot_multiturn(res):
+    """tau per eval set (first-turn prompts <dataset>, later-turn prompts <dataset>:later, pooled "later",
+    "all") of the single-turn vs the multi-turn regeneration drafter at equal tokens; error bars: the paired
+    interval of the difference, on the multi-turn bar."""
+    import matplotlib.pyplot as plt
+
+    r = res.multiturn
+    if not len(r) or "tau_multi_turn" not in r:
+        return None
+    r = r[r["tau_multi_turn"].notna()]
+    x = np.arange(len(r))
+    fig, ax = plt.subplots(figsize=(0.8 * len(r) + 3, 4))
+    ax.bar(x - 0.2, r.tau_single_turn, 0.4, label="first turn only (single-turn)", color="tab:grey")
+    err = np.nan_to_num(np.array([r["diff"] - r.lo, r.hi - r["diff"]], dtype=float))
+    ax.bar(x + 0.2, r.tau_multi_turn, 0.4, yerr=err, capsize=3, color="tab:purple",
+           label="every turn (each_turn; interval of the difference)")  # fmt: skip
+    ax.set_xticks(x, r["eval"], rotation=30, ha="right")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(ylabel="tau (held-out, offline)", title="multi-turn vs single-turn regeneration, equal tokens")
+    ax.legend(fontsize=8)
+    return _save(fig, res, "multiturn_vs_single.png")

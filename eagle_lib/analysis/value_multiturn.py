@@ -117,6 +117,10 @@ def arm_data(st, p, ds: str, tok, rg_box: list) -> tuple[list, list, list[dict],
     run, pct, max_len = st.cfg.run_dir, st.cfg.shared.heldout_percent, st.recipe["max_seq_len"]
     recs03 = _records(run / "infer" / ds / "responses.jsonl")
     held = lambda r: store.is_heldout(store.split_key(r), pct)  # noqa: E731
+    stopped, stopped_held = (
+        Counter(),
+        Counter(),
+    )  # when 03 ran each_turn its stops are in infer/<ds>/meta.json
     if any("turn" in r for r in recs03):  # 03 ran each_turn: both arms from 03
         train = [r for r in recs03 if not held(r)]
         multi_recs, held_recs, how = train, [r for r in recs03 if held(r)], "03 each_turn"
@@ -135,11 +139,11 @@ def arm_data(st, p, ds: str, tok, rg_box: list) -> tuple[list, list, list[dict],
                  if by_id[c]["prompt_ids"] == convs[c]["prompt_ids"]]  # fmt: skip
         have = {r["id"] for r in _records(out / "responses.jsonl")}
         store.append_jsonl(out / "responses.jsonl", [r for r in seeds if r["id"] not in have])
-        rg.run(convs, out)
+        stopped = Counter(rg.run(convs, out)["stopped"].values())  # why each conversation ended
         hconvs = source_conversations(run, ds, rg.encoder, lambda i: store.is_heldout(i, pct), p.multiturn_heldout,
                                       mx)  # fmt: skip
         hout = st.out / "multiturn" / f"{ds}.heldout"
-        rg.run(hconvs, hout)
+        stopped_held = Counter(rg.run(hconvs, hout)["stopped"].values())
         multi_recs, held_recs, how = (
             _records(out / "responses.jsonl"),
             _records(hout / "responses.jsonl"),
@@ -149,8 +153,19 @@ def arm_data(st, p, ds: str, tok, rg_box: list) -> tuple[list, list, list[dict],
               for r in train if r.get("turn", 0) == 0]  # fmt: skip
     multi = [_seq(rec["id"], ids, mask, max_len) for rec, ids, mask in multiturn.training_records(multi_recs)]
     single, multi = [s for s in single if s], [s for s in multi if s]
+    no_dump = 0
+    if (
+        st.trainer.keep is not None
+    ):  # offline dumps: each sequence needs its own dump (the others are counted)
+        n = len(single) + len(multi)
+        single, multi = (
+            [s for s in single if st.trainer.keep(s.input_ids)],
+            [s for s in multi if st.trainer.keep(s.input_ids)],
+        )
+        no_dump = n - len(single) - len(multi)
     tally = {"source": how, "single_sequences": len(single), "multi_conversations": len({s.id.split(multiturn.SEP)[0] for s in multi}),
-             "multi_turns": sum(1 for r in multi_recs if "turn" in r), "heldout_conversations": len({r["conversation"] for r in held_recs})}  # fmt: skip
+             "multi_turns": sum(1 for r in multi_recs if "turn" in r), "heldout_conversations": len({r["conversation"] for r in held_recs}),
+             "stopped": dict(stopped), "stopped_heldout": dict(stopped_held), "no_hidden_dump": no_dump}  # fmt: skip
     return single, multi, held_recs, tally
 
 
