@@ -135,10 +135,10 @@ def world(tmp_path_factory):
     }
 
 
-def serve(world, drafter_dir, name: str):
+def serve(world, drafter_dir, name: str, method: str = "eagle3"):
     from eagle_lib.engines.vllm_server import start_vllm
 
-    spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": K}
+    spec = {"method": method, "model": str(drafter_dir), "num_speculative_tokens": K}
     return start_vllm(
         world["dir"],
         extra_args=["--speculative-config", json.dumps(spec)],
@@ -246,3 +246,16 @@ def test_live_preflight_flags_a_server_with_another_drafter(world):
     print(failed)
     assert "vllm draft model (live)" in failed and str(wrong) in failed["vllm draft model (live)"]
     assert "live tau" in failed and "~ 1.0" in failed["live tau"]
+
+
+def test_live_preflight_flags_an_eagle1_server_on_the_eagle3_drafter(world):
+    """vLLM 0.32 starts with method "eagle" on an EAGLE-3 export (it loads the weights and drops fc's aux
+    layers): the live preflight flags the method, passes the path, and the probe tau is ~1."""
+    drafter = world["exports"]["speculators"]
+    with serve(world, drafter, "eagle1", method="eagle") as srv:
+        checks = live.check_server("vllm", srv.base_url, str(drafter), K)
+    failed = {c.name: c.message for c in checks if not c.ok}
+    print(failed)
+    assert "vllm method (live)" in failed and "'eagle'" in failed["vllm method (live)"]
+    assert "vllm draft model (live)" not in failed
+    assert "live tau" in failed
