@@ -54,10 +54,17 @@ def _live_checks(name: str, est: dict, p: Params) -> list[tuple]:
         if not np.isfinite(point) or hi <= thr:
             continue
         level = "warn" if lo > thr else "undetermined"
-        verdict = "" if level == "warn" else "undetermined yet: "
+        verdict, advice = "", f": {fix}" if fix else ""
+        if level == "undetermined" and point > thr:  # the estimate is over it, the interval not yet
+            verdict, advice = (
+                "undetermined yet, likely over the threshold: ",
+                f": if it holds, {fix}" if fix else "",
+            )
+        elif level == "undetermined":
+            verdict, advice = "undetermined yet: ", ""
         out.append((level, "B", name, check, point,
                     thr, f"{verdict}{point:.1%} of the final samples {what} (95% interval {lo:.1%}-{hi:.1%}; "
-                    f"threshold {thr:.0%}; {moving}){f': {fix}' if fix and level == 'warn' else ''}"))  # fmt: skip
+                    f"threshold {thr:.0%}; {moving}){advice}"))  # fmt: skip
     return out
 
 
@@ -296,9 +303,11 @@ def answer(report) -> str:
         )
         parts.append(f"{len(trunc)} dataset(s) cut at the limit in > {thr} of samples ({names}): {fix}")
     if len(undecided):
-        bounds = {d: report.estimates[d]["share_at_limit"][1:] for d in undecided.dataset}
-        listed = ", ".join(f"B/{d} ({lo:.0%}-{hi:.0%})" for d, (lo, hi) in bounds.items())
-        parts.append(f"truncation undetermined yet for {listed}")
+        est = {d: report.estimates[d]["share_at_limit"] for d in undecided.dataset}
+        listed = ", ".join(f"B/{d} (estimate {pt:.0%}, {lo:.0%}-{hi:.0%})" for d, (pt, lo, hi) in est.items())
+        likely = [d for d, (pt, _, _) in est.items() if pt > report.params.max_limit_share]
+        parts.append(f"truncation undetermined yet for {listed}"
+                     + (f", likely over {thr} for {', '.join(likely)}" if likely else ""))  # fmt: skip
     if not len(trunc) and not len(undecided):
         parts.append(f"no dataset cut at the limit in > {thr} of samples")
     others = v[(v.level == "warn") & (v.check != "truncation")]
