@@ -243,6 +243,9 @@ def text(df) -> str:
         if not len(rows) or rows.iloc[0].get("diff") != rows.iloc[0].get("diff"):
             continue
         r = rows.iloc[0]
+        if r.lo != r.lo:  # NaN: fewer prompts than an interval needs
+            parts.append(f"{label}: {r['diff']:+.3f}, too few prompts for an interval")
+            continue
         iv = f"{r['diff']:+.3f} [{r.lo:+.3f}, {r.hi:+.3f}]"
         what = (
             f"tau {r.tau_multi_turn:.2f} vs {r.tau_single_turn:.2f}"

@@ -79,3 +79,24 @@ def test_original_responses_are_the_raw_datasets(val):
         assert first_gpt.strip()[:40] in labels
     regen = pd.read_csv(val["dir"] / "regen.csv")
     assert list(regen["eval"])[-1] == "all" and np.isfinite(regen["diff"]).all()
+
+
+def test_multiturn_comparison_recorded(val):
+    """The multi-turn vs single-turn comparison: recorded with its interval, its tau re-derived from sums.json,
+    and 07's each_turn records hold every (conversation, turn) once, turn 0 being 03's own answer."""
+    mt, d = val["m"]["multiturn"], val["dir"]
+    assert mt["run"] and 1.0 <= mt["tau_single_turn"] <= 4.0 and 1.0 <= mt["tau_multi_turn"] <= 4.0
+    a = mt["by_eval"]["all"]
+    assert a["lo"] <= a["diff"] <= a["hi"] and a["measurable"] == (a["lo"] > 0 or a["hi"] < 0)
+    assert ("no measurable difference" in mt["text"].split(";")[0]) == (not a["measurable"])
+    taus = [sum(num) / sum(den) for num, den in store.read_json(d / "sums.json").values()]
+    assert min(abs(mt["tau_multi_turn"] - t) for t in taus) < 1e-12
+    assert min(abs(mt["tau_single_turn"] - t) for t in taus) < 1e-12
+    three = {r["id"]: r for r in store.iter_jsonl(val["run"] / "infer/glaive/responses.jsonl")}
+    recs = store.read_jsonl(d / "multiturn/glaive/responses.jsonl")
+    assert len({r["id"] for r in recs}) == len(recs) > mt["tally"]["glaive"]["multi_conversations"] - 1
+    for r in recs:
+        if r["turn"] == 0:
+            assert r["output_ids"] == three[r["conversation"]]["output_ids"]
+    t = mt["tally"]["glaive"]
+    assert sum(t["stopped"].values()) == t["multi_conversations"] and t["heldout_conversations"] > 0
