@@ -289,27 +289,20 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
 def run_multiturn(cfg: params.StageConfig, name: str, engine, tokenizer, shard, identity, everything: list[dict],
                   started: float) -> dict:  # fmt: skip
     """Regenerate every turn of one each_turn dataset (`engines.turns`); meta counts conversations."""
-    from eagle_lib.data.chat import ChatEncoder
     from eagle_lib.engines import turns
 
-    p, src = cfg.stage, cfg.out("data", "B", name, "prompts.jsonl")
-    ds_dir = cfg.out("infer", name)
+    p, src, ds_dir = cfg.stage, cfg.out("data", "B", name, "prompts.jsonl"), cfg.out("infer", name)
     out_dir = ds_dir / "shards" / f"{shard[0]}-of-{shard[1]}" if shard else ds_dir
-    convs = {r["id"]: r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]}
-    meta02 = src.parent / "meta.json"
-    kwargs = store.read_json(meta02).get("params", {}).get("chat_template_kwargs", {}) if meta02.exists() else {}
+    mine = [r for r in everything[: p.limit or None] if not shard or shard_of(r["id"], shard[1]) == shard[0]]
     stop = list(engine.sampling.stop_token_ids)
-    stop_strings = [tokenizer.decode([i], skip_special_tokens=False) for i in stop]
+    encoder, stop_strings = turns.encoder_for(src.parent, tokenizer, stop)
 
     def generate(todo: list) -> dict:
-        order = pending_order([{"id": x.id, "x": x} for x in todo], cfg.shared.seed, name, p.shuffle)
-        reqs = [{"id": d["id"], "prompt_ids": d["x"].prompt_ids, "source": d["x"].source,
-                 "extra": {"conversation": d["x"].conversation, "turn": d["x"].turn}} for d in order]  # fmt: skip
+        reqs = pending_order([x.request() for x in todo], cfg.shared.seed, name, p.shuffle)
         return generate_pending(engine, reqs, tokenizer, out_dir, p, name, identity)
 
-    res = turns.run_conversations(convs, ds_dir, out_dir, ChatEncoder(tokenizer, kwargs), stop_strings,
-                                  engine.sampling.record(), identity, stop, generate, p.on_stale, p.retry_errors,
-                                  merge=shard is None)  # fmt: skip
+    res = turns.run_conversations(convs := {r["id"]: r for r in mine}, ds_dir, out_dir, encoder, stop_strings, engine.sampling.record(), identity,
+                                  stop, generate, p.on_stale, p.retry_errors, merge=shard is None)  # fmt: skip
     meta = turns.meta(res, convs, error_ids(ds_dir)) | {
         "engine": engine.name, "target": identity, "sampling": engine.sampling.record(), "stop_token_ids": stop,
         "shard": f"{shard[0]}/{shard[1]}" if shard else None, "input": {"path": str(src), "sha256": file_sha256(src)},

@@ -25,6 +25,7 @@ from eagle_lib import models, store
 from eagle_lib.analysis import value_tables as tables
 from eagle_lib.data import formats, multiturn, subsets
 from eagle_lib.drafter.batches import Sequence
+from eagle_lib.engines import turns
 from eagle_lib.serving import heldout_tau
 from eagle_lib.serving.specdec import Prompt
 
@@ -58,8 +59,7 @@ def source_conversations(run_dir: Path, ds: str, encoder, keep, cap: int, max_pr
 class Regenerator:
     """The embedded target with 03's sampling; answers conversations each_turn into value/multiturn/<ds>/."""
 
-    def __init__(self, st, tok):
-        from eagle_lib.data.chat import ChatEncoder
+    def __init__(self, st, tok, ds: str):
         from eagle_lib.engines.base import Sampling
         from eagle_lib.engines.embedded import EmbeddedEngine
         from eagle_lib.engines.resume import target_identity
@@ -73,8 +73,7 @@ class Regenerator:
                                      s["seed"], stop), p03["batch_size"], p03["max_batch_tokens"])  # fmt: skip
         self.identity = target_identity(self.engine, st.cfg.shared, self.engine.check(tok))
         self.tok, self.stop = tok, list(stop)
-        self.encoder = ChatEncoder(tok, {})
-        self.stop_strings = [tok.decode([i], skip_special_tokens=False) for i in stop]
+        self.encoder, self.stop_strings = turns.encoder_for(st.cfg.out("data", "B", ds), tok, self.stop)
 
     def record(self, item, src) -> dict:
         out = item.output_ids
@@ -101,8 +100,6 @@ class Regenerator:
 
 
 def multiturn_run(convs, ds_dir, rg, generate) -> dict:
-    from eagle_lib.engines import turns
-
     return turns.run_conversations(convs, ds_dir, ds_dir, rg.encoder, rg.stop_strings, rg.engine.sampling.record(),
                                    rg.identity, rg.stop, generate, "set_aside", True, merge=False)  # fmt: skip
 
@@ -126,7 +123,7 @@ def arm_data(st, p, ds: str, tok, rg_box: list) -> tuple[list, list, list[dict],
         multi_recs, held_recs, how = train, [r for r in recs03 if held(r)], "03 each_turn"
     else:
         if not rg_box:
-            rg_box.append(Regenerator(st, tok))
+            rg_box.append(Regenerator(st, tok, ds))
         rg, out = rg_box[0], st.out / "multiturn" / ds
         train = [r for r in recs03 if not held(r)]
         order = sorted(train, key=lambda r: subsets._order_key(st.cfg.shared.seed, str(r["id"])))

@@ -35,6 +35,20 @@ class Pending:
     prompt_ids: list[int]
     source: str
 
+    def request(self) -> dict:
+        """03's pending-prompt dict; `extra` goes into the committed record."""
+        return {"id": self.id, "prompt_ids": self.prompt_ids, "source": self.source,
+                "extra": {"conversation": self.conversation, "turn": self.turn}}  # fmt: skip
+
+
+def encoder_for(prompts_dir: Path, tokenizer, stop: list[int]):
+    """(ChatEncoder with 02's template kwargs, the stop ids as text: the end of an answer to strip)."""
+    from eagle_lib.data.chat import ChatEncoder
+
+    meta = prompts_dir / "meta.json"
+    kwargs = store.read_json(meta).get("params", {}).get("chat_template_kwargs", {}) if meta.exists() else {}
+    return ChatEncoder(tokenizer, kwargs), [tokenizer.decode([i], skip_special_tokens=False) for i in stop]
+
 
 def files_of(ds_dir: Path) -> list[Path]:
     return [ds_dir / "responses.jsonl", *sorted(ds_dir.glob("shards/*/responses.jsonl"))]
@@ -208,3 +222,18 @@ def meta(res: dict, convs: dict[str, dict], errors: dict[str, dict]) -> dict:
         "resumed": res["resumed_turns"], "merged_from_shards": res["merged_from_shards"], "rounds": res["rounds"],
         "duplicates_ignored": res["duplicates_ignored"], "set_aside": res["set_aside"], **st,
     }  # fmt: skip
+
+
+def stops_table(meta: dict):
+    """03's each_turn datasets: conversations, turns answered (by turn index) and why each conversation ended."""
+    import pandas as pd
+
+    rows = [
+        {"dataset": n, "conversations": m["kept"], "turns": m["turns"],
+         **{f"turn_{k}": v for k, v in m["turns_by_index"].items()}, **{f"stop_{k}": v for k, v in m["stopped"].items()}}
+        for n, m in meta["datasets"].items() if m.get("regenerate") == "each_turn"
+    ]  # fmt: skip
+    if not rows:
+        return "no each_turn dataset in this run (02 turn: first / last)"
+    df = pd.DataFrame(rows).fillna(0)
+    return df.astype({c: int for c in df.columns if c != "dataset"})
