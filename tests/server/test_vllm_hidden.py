@@ -3,9 +3,13 @@
 * The toy target's hidden states from vLLM prefill (``extract_hidden_states`` + our CPU connector) equal
   transformers' ``hidden_states`` for every captured id (fp32, max abs diff <= 1e-4), and the producer never
   holds more than ``max_buffer_gb`` (its own accounting and a listing of the directory).
-* Producer SIGKILLed mid-run (the trainer then fails once the buffer runs dry), both restarted: every planned unit is used exactly once in the
-  surviving trajectory, each training sequence once per epoch, and the loss curve equals an uninterrupted
-  run's. The uninterrupted run also matches `online` on held-out acc (tolerance measured across seeds).
+* Producer SIGKILLed mid-run (the trainer then fails once the buffer runs dry), both restarted: every planned
+  unit is used exactly once in the surviving trajectory, each training sequence once per epoch, and the loss
+  curve equals an uninterrupted run's. That run, another seed and 07's retrainer read the hidden states the
+  killed run kept (no producer starts); the vllm drafters match `online` ones of the same seed in held-out
+  acc and in 06-style tau (offline speculative decoding), within the spread measured across 3 online seeds.
+* With ``hidden_source: vllm`` in params/ci.yaml, the ci pipeline (tests/pipeline) runs 05 and 07 end to end
+  through producers they start and stop; storage dtypes (bf16, fp8): tests/unit/test_hidden_store.py.
 """
 
 from __future__ import annotations
@@ -125,21 +129,42 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in store.read_jsonl(run / "drafter" / "train_log.jsonl")]
 
 
-def test_kill_resume_exactly_once_and_same_acc_as_online(tmp_path, monkeypatch):
-    full = train.run(stage(tmp_path, "full", hidden_source="vllm"))
-    online = [train.run(stage(tmp_path, f"online{s}", seed=s))["heldout"]["acc"][0] for s in range(3)]
-    spread = max(online) - min(online)
-    acc_vllm = full["heldout"]["acc"][0]
-    print(json.dumps({"acc_vllm": acc_vllm, "acc_online_seeds": online, "hidden": full["hidden"]}))
-    assert abs(acc_vllm - online[0]) <= max(spread, 0.01), (acc_vllm, online)
-    torch.testing.assert_close(losses(tmp_path / "full"), losses(tmp_path / "online0"), rtol=1e-3, atol=1e-4)
+TAU_PROMPTS, TAU_NEW, TAU_K = 16, 24, 3
 
-    cfg = stage(tmp_path, "killed", hidden_source="vllm")
+
+def tau_06(run: Path, target: Path) -> float:
+    """06-style tau of run's final drafter: offline speculative decoding (`serving.specdec`, k drafts per verify
+    step) of fresh random prompts, whose continuations are in the tiny world's distribution."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_lib.drafter.model import load_drafter
+    from eagle_lib.serving import heldout_tau
+
+    g = torch.Generator().manual_seed(1234)
+    prompts = [heldout_tau.Prompt(f"p{i}", "tiny", torch.randint(0, eagle_tiny.VOCAB, (6,), generator=g).tolist())
+               for i in range(TAU_PROMPTS)]  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    num, den = heldout_tau.Decoder(model, prompts, TAU_NEW, TAU_K, []).decode(
+        load_drafter(run / "drafter" / "final")
+    )
+    return float(num.sum() / den.sum())
+
+
+def test_vllm_drafter_matches_online_and_kill_resume_is_exactly_once(tmp_path, monkeypatch):
+    """Online seeds 0-2 give the noise; the vllm run is killed and resumed (keeping its hidden states); an
+    uninterrupted vllm run, another seed and 07's retrainer then read the kept states without any producer."""
+    from eagle_lib.drafter import retrain
+
+    hs = str(tmp_path / "hs")  # hidden_dump_dir of every vllm run here: one kept store
+    runs = {f"online{s}": train.run(stage(tmp_path, f"online{s}", seed=s)) for s in range(3)}
+
+    cfg = stage(tmp_path, "killed", hidden_source="vllm", keep_hidden_states=True, hidden_dump_dir=hs)
     calls = {"n": 0}
     real_call = engine_hidden.VllmHidden.__call__
 
     def kill_after_six(self, batch):
-        """SIGKILL the producer after the 6th unit; the trainer fails once the buffer runs dry."""
+        """SIGKILL the producer after the 6th unit (mid first epoch: units 6-10 are still to be made);
+        the trainer fails once the buffer runs dry."""
         out = real_call(self, batch)
         calls["n"] += 1
         if calls["n"] == 6:
@@ -152,32 +177,67 @@ def test_kill_resume_exactly_once_and_same_acc_as_online(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="every vLLM producer exited"):
         train.run(cfg)
     monkeypatch.setattr(engine_hidden.VllmHidden, "__call__", real_call)
-    resumed = train.run(cfg)
-    assert resumed["steps"] == full["steps"]
-    torch.testing.assert_close(losses(cfg.run_dir), losses(tmp_path / "full"), rtol=1e-4, atol=1e-5)
+    runs["killed"] = resumed = train.run(cfg)
+    assert resumed["steps"] == runs["online0"]["steps"] and resumed["hidden"]["producers_started"] == 1
+    bound = resumed["hidden"]["max_buffer_bytes"]
+    prods = [hb.read_json(Path(resumed["hidden"]["buffer_dir"]) / "producer_0.json")]
+    assert (
+        0 < prods[0]["peak_buffer_bytes"] <= bound
+    )  # the producer's own accounting (~1 unit: it had to wait)
 
     buf = Path(resumed["hidden"]["buffer_dir"])
     served = store.read_jsonl(buf / "served.jsonl")
-    runs: list[list[int]] = []
+    sessions: list[list[int]] = []
     for i, r in enumerate(served):  # one list per trainer process, in order
         if i == 0 or r["session"] != served[i - 1]["session"]:
-            runs.append([])
-        runs[-1].append(r["unit"])
-    print(json.dumps({"served_units_per_run": runs}))
-    assert len(runs) == 2
+            sessions.append([])
+        sessions[-1].append(r["unit"])
+    print(json.dumps({"served_units_per_run": sessions}))
+    assert len(sessions) == 2
     surviving = []
-    for j, units in enumerate(runs):
+    for j, units in enumerate(sessions):
         assert units == list(range(units[0], units[0] + len(units))), f"run {j} skipped a unit: {units}"
-        end = runs[j + 1][0] if j + 1 < len(runs) else None
+        end = sessions[j + 1][0] if j + 1 < len(sessions) else None
         assert end is None or end <= units[-1] + 1, "a resumed run started past what was consumed"
         surviving += units[: None if end is None else end - units[0]]
-    plan = hb.read_json(buf / "plan.json")["units"]
-    assert surviving == list(range(len(plan)))  # no skip, no duplicate
+    n_units = len(hb.read_json(buf / "plan.json")["units"])
+    assert surviving == list(range(n_units))  # no skip, no duplicate
     per_epoch = -(-len(_train_rows(cfg)) // cfg.stage.rows_per_batch)
-    seqs = [json.loads(line) for line in (buf / "sequences.jsonl").read_text().splitlines()]
-    used = Counter(seq_key(seqs[i]) for u in plan[:per_epoch] for i in u)
-    train_keys = _train_keys(cfg)
-    assert used == Counter(train_keys), "an epoch does not use every training sequence exactly once"
+    plan_units, _, _ = engine_hidden.plan(cfg, 0)
+    used = Counter(k for u in plan_units[:per_epoch] for k in u)
+    assert used == Counter(_train_keys(cfg)), "an epoch does not use every training sequence exactly once"
+
+    # the uninterrupted run (same seed), another seed (another plan) and 07: all from the kept store
+    runs["full"] = train.run(stage(tmp_path, "full", hidden_source="vllm", hidden_dump_dir=hs))
+    runs["vllm1"] = train.run(stage(tmp_path, "vllm1", seed=1, hidden_source="vllm", hidden_dump_dir=hs))
+    for name in ("full", "vllm1"):
+        h = runs[name]["hidden"]
+        assert h["producers_started"] == 0 and h["made_tokens_read"] == 0 < h["kept_tokens_read"], name
+    torch.testing.assert_close(losses(cfg.run_dir), losses(tmp_path / "full"), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses(tmp_path / "full"), losses(tmp_path / "online0"), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(losses(tmp_path / "vllm1"), losses(tmp_path / "online1"), rtol=1e-3, atol=1e-4)
+
+    logs = {}
+    for name in ("full", "online0"):  # 07's retrainer on a nested subset, through each run's 05 recipe
+        tr = retrain.Trainer(*retrain.load_recipe(tmp_path / name))
+        seqs = tr.sequences(tmp_path / name)[0]
+        logs[name] = [r["loss"] for r in tr.train(seqs[: len(seqs) // 2], 6, 2)[1]]
+        if name == "full":  # every sequence of the subset was kept by 05: no producer
+            assert tr.source.stats == {"kept_tokens": tr.source.stats["kept_tokens"], "produced_tokens": 0,
+                                       "producer_sessions": 0} and tr.source.stats["kept_tokens"] > 0  # fmt: skip
+    torch.testing.assert_close(logs["full"], logs["online0"], rtol=1e-3, atol=1e-4)
+
+    acc = {n: r["heldout"]["acc"][0] for n, r in runs.items()}
+    tau = {n: tau_06(tmp_path / n, tmp_path / "target") for n in runs}
+    acc_tol = max(acc[f"online{s}"] for s in range(3)) - min(acc[f"online{s}"] for s in range(3))
+    tau_tol = max(tau[f"online{s}"] for s in range(3)) - min(tau[f"online{s}"] for s in range(3))
+    print(json.dumps({"acc_0": acc, "tau": tau, "acc_tol": acc_tol, "tau_tol": tau_tol,
+                      "hidden": runs["killed"]["hidden"]}))  # fmt: skip
+    # within the noise across seeds (measured 0.19 acc_0, 0.076 tau) and, since fp32 vLLM equals transformers
+    # to ~1e-5, far inside it (measured: equal to every printed digit)
+    for v, o in (("killed", "online0"), ("full", "online0"), ("vllm1", "online1")):
+        assert abs(acc[v] - acc[o]) <= min(acc_tol, 0.02), (v, acc)
+        assert abs(tau[v] - tau[o]) <= min(tau_tol, 0.03), (v, tau)
 
 
 def _train_seqs(cfg):
