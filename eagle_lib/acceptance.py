@@ -146,13 +146,30 @@ def heldout_prompts(run_dir: Path, percent: float, p: Params) -> tuple[dict[str,
     )
 
 
-def eval_set_prompts(p: Params, tokenizer) -> tuple[dict[str, list[Prompt]], dict]:
-    """The eval sets' prompts per set name (rendered with the target's chat template) and each set's tally."""
-    out, tallies = {}, {}
+def eval_set_prompts(p: Params, tokenizer) -> tuple[dict[str, list[Prompt]], dict, list[dict]]:
+    """The eval sets' first-turn prompts per set name (rendered with the target's chat template), each set's
+    tally, and the rows with later turns (``turns: all``) for `later_turn_prompts`."""
+    out, tallies, multi = {}, {}, []
     for es in p.eval_sets:
         rows, tallies[es.name] = evalsets.read(es, tokenizer, p.max_prompt_tokens)
         out[es.name] = [Prompt(r["id"], es.name, r["prompt_ids"]) for r in rows]
-    return out, tallies
+        multi += [r for r in rows if r.get("later_turns")]
+    return out, tallies, multi
+
+
+def later_turn_prompts(multi: list[dict], tokenizer, target, p: Params, eos: list[int]):
+    """Prompts of the later turns (`evalsets.followups`), each after the target's greedy answers to the turns
+    before it (eval_max_new_tokens long, as 06 decodes); and their tally."""
+    from eagle_lib.serving import specdec
+
+    runner = specdec.TargetRunner(target)
+
+    def answer(ids: list[int]) -> list[int]:
+        return specdec.speculative_generate(
+            runner, specdec.NoProposer(), ids, p.eval_max_new_tokens, p.num_steps, eos
+        ).output_ids
+
+    return evalsets.followups(multi, tokenizer, answer, p.max_prompt_tokens)
 
 
 # --- offline decoding ---------------------------------------------------------------------------------
@@ -314,7 +331,7 @@ def run(cfg: params.StageConfig) -> Eval:
     out.mkdir(parents=True, exist_ok=True)
     prompts, tally = heldout_prompts(cfg.run_dir, shared.heldout_percent, p)
     tok = models.load_tokenizer(shared)
-    extra, set_tally = eval_set_prompts(p, tok)
+    extra, set_tally, multi = eval_set_prompts(p, tok)
     if not prompts and not extra:
         raise ValueError(
             f"{cfg.run_dir / 'data'}: no held-out prompts (heldout_percent={shared.heldout_percent}) and no "
@@ -328,6 +345,14 @@ def run(cfg: params.StageConfig) -> Eval:
     store.write_json(out / "preflight.json", pf)
     gens: list[dict] = []
     eos = eos_ids(tok, target)
+    if multi and p.offline:  # later turns need the target's own answers: decoded here
+        later, set_tally["later_turns"] = later_turn_prompts(multi, tok, target, p, eos)
+        prompts |= later
+    elif multi:
+        set_tally["later_turns"] = {
+            "kept": 0,
+            "skipped": "offline: false (no target here to answer earlier turns)",
+        }
     if p.offline:
         (out / "generations.jsonl").unlink(missing_ok=True)
         gens = decode_offline(target, drafter, prompts, p, eos, out / "generations.jsonl", shared.seed)

@@ -4,14 +4,16 @@ Each set is read from a hub id or a local json / jsonl / parquet file through :f
 iter_rows` and turned into one user message per row by a small adapter for its published schema:
 
 * ``mt_bench`` — FastChat's question.jsonl ``{question_id, category, turns: [str, ...]}`` or
-  HuggingFaceH4/mt_bench_prompts ``{prompt_id, category, prompt: [str, ...]}``; the first turn (later turns
-  need the target's own earlier answer).
+  HuggingFaceH4/mt_bench_prompts ``{prompt_id, category, prompt: [str, ...]}``; the first turn, and with
+  ``turns: all`` the later ones too (`followups`: each asked after the target's own greedy answer to the turns
+  before it, as MT-Bench is run).
 * ``gsm8k`` — openai/gsm8k (config main, split test) ``{question, answer}``.
 * ``humaneval`` — openai/openai_humaneval (split test) ``{task_id, prompt, canonical_solution, test,
   entry_point}``; the code stub is the message.
 * ``math500`` — HuggingFaceH4/MATH-500 (split test) ``{problem, solution, answer, subject, level, unique_id}``.
 * ``speed_bench`` — nvidia/SPEED-Bench (configs qualitative, throughput_1k ... throughput_32k; split test)
-  ``{question_id, category, sub_category, turns: [str, ...], source, difficulty, multiturn}``; the first turn.
+  ``{question_id, category, sub_category, turns: [str, ...], source, difficulty, multiturn}``; the first turn
+  (``turns: all`` as for MT-Bench).
 
 The message is rendered with the target's chat template (generation prompt added) into prompt token ids.
 A row that does not follow its schema raises an error naming the file, the row and the reason.
@@ -49,6 +51,9 @@ class EvalSet(params.Strict):
     config: str = ""  # hub config (gsm8k: main; SPEED-Bench: qualitative, throughput_1k, ...)
     split: str = "test"  # hub split
     max_prompts: int = 8  # the first N rows that fit max_prompt_tokens
+    turns: Literal["first", "all"] = (
+        "first"  # all (mt_bench, speed_bench): later turns too, after the target's own answers, as <name>_turn<k>
+    )
 
 
 class EvalSetError(ValueError):
@@ -70,6 +75,21 @@ def _first_turn(row: dict, keys: tuple[str, ...]) -> str:
                 raise EvalSetError(f"field '{key}' must be a non-empty list of strings")
             return turns[0]
     raise EvalSetError(f"missing field {' or '.join(repr(k) for k in keys)}")
+
+
+def _later_turns(row: dict, keys: tuple[str, ...]) -> list[str]:
+    turns = next((row[k] for k in keys if k in row), [])
+    if not all(isinstance(t, str) and t.strip() for t in turns[1:]):
+        raise EvalSetError(
+            f"field '{next(k for k in keys if k in row)}': later turns must be non-empty strings"
+        )
+    return list(turns[1:])
+
+
+def later_turns(schema: str, row: dict) -> list[str]:
+    """The user turns after the first of a multi-turn row (mt_bench, speed_bench); [] for other schemas."""
+    keys = {"mt_bench": ("turns", "prompt"), "speed_bench": ("turns",)}.get(schema)
+    return _later_turns(row, keys) if keys else []
 
 
 def _id(row: dict, keys: tuple[str, ...], fallback: str) -> str:
@@ -133,13 +153,57 @@ def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], di
         if len(ids) > max_prompt_tokens:
             dropped["too_long"] += 1
             continue
-        out.append({"id": rid, "dataset": es.name, "category": cat, "prompt_ids": ids})
+        rec = {"id": rid, "dataset": es.name, "category": cat, "prompt_ids": ids, "message": text}
+        if es.turns == "all":
+            try:
+                rec["later_turns"] = later_turns(es.benchmark, row)
+            except EvalSetError as e:
+                raise EvalSetError(f"eval set {es.name} ({es.benchmark}): {loc}: {e}") from None
+        out.append(rec)
     if not out:
         raise EvalSetError(
             f"eval set {es.name}: no prompt of {es.path} fits max_prompt_tokens={max_prompt_tokens} "
             f"(read {n_read} rows)"
         )
     return out, {"read": n_read, "kept": len(out), "dropped": dict(dropped), "rejected": 0}
+
+
+def answer_text(tokenizer, output_ids: list[int], end_of_thinking: str = "</think>") -> str:
+    """An answer as a client sends it back in the history: the text after the last end-of-thinking marker (all
+    of it when there is none), special tokens (the stop token) dropped."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=False)
+    if end_of_thinking and end_of_thinking in text:
+        text = text.rpartition(end_of_thinking)[2]
+    for tok in tokenizer.all_special_tokens:
+        text = text.replace(tok, "")
+    return text.strip()
+
+
+def followups(
+    rows: list[dict], tokenizer, answer, max_prompt_tokens: int, end_of_thinking: str = "</think>"
+) -> tuple[dict[str, list[Prompt]], dict]:
+    """Prompts for the later turns of multi-turn rows (`read` with ``turns: all``), per label ``<set>_turn<k>``:
+    turn k is asked after the user turns before it and the target's own answers to them, ``answer(prompt_ids)
+    -> output ids`` (06: its greedy decoding, eval_max_new_tokens long). A conversation stops at its first turn
+    longer than max_prompt_tokens (counted as too_long). Returns (prompts, {kept, dropped: {too_long}})."""
+    out: dict[str, list[Prompt]] = {}
+    kept, too_long = 0, 0
+    for r in rows:
+        msgs, ids = [{"role": "user", "content": r["message"]}], r["prompt_ids"]
+        for k, turn in enumerate(r.get("later_turns", []), 2):
+            msgs += [
+                {"role": "assistant", "content": answer_text(tokenizer, answer(ids), end_of_thinking)},
+                {"role": "user", "content": turn},
+            ]
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            if len(ids) > max_prompt_tokens:
+                too_long += 1
+                break
+            label = f"{r['dataset']}_turn{k}"
+            out.setdefault(label, []).append(Prompt(f"{r['id']}#t{k}", label, ids))
+            kept += 1
+    return out, {"kept": kept, "dropped": {"too_long": too_long} if too_long else {}}
 
 
 # --- the run's own held-out prompts (06 and 07 decode the same ones) ---------------------------------------

@@ -26,6 +26,7 @@ def test_lossless_and_tau_per_dataset(ev):
     assert len(m["acc_eagle3"]) == 3 and m["acc_eagle3"] == sorted(m["acc_eagle3"], reverse=True)
     assert m["temperatures"] == [0.0, 1.0] and m["eagle3_T=1"]["tau"]["all"] >= 1.0
     assert "mt_bench" in m["tau_eagle3_by_dataset"] and "mt_bench" in m["eagle3_T=1"]["tau"]
+    assert "mt_bench_turn2" in m["tau_eagle3_by_dataset"]  # turns: all: asked after the target's own answer
 
 
 def test_report_opens_with_the_answer(ev):
@@ -63,8 +64,9 @@ def test_tau_table_matches_raw_steps(ev):
         assert 1 + sum(a + 1 for a in g["accepted"][:-1]) + g["accepted"][-1] <= len(g["output_ids"])
     meta = store.read_json(ev["dir"] / "meta.json")
     store.check_tally(meta)
-    held = {(g["dataset"], g["id"]) for g in gens if g["dataset"] != "mt_bench"}
+    held = {(g["dataset"], g["id"]) for g in gens if not g["dataset"].startswith("mt_bench")}
     assert meta["kept"] == len(held) and meta["eval_sets"]["mt_bench"]["kept"] == 2
+    assert meta["eval_sets"]["later_turns"] == {"kept": 2, "dropped": {}}
 
 
 def test_outputs_equal_hf_greedy(ev):
@@ -81,7 +83,9 @@ def test_outputs_equal_hf_greedy(ev):
     gens = store.read_jsonl(ev["dir"] / "generations.jsonl")
     prompts = _prompts(ev["run"])
     for g in [
-        g for g in gens if g["method"] == "eagle3" and g["temperature"] == 0 and g["dataset"] != "mt_bench"
+        g
+        for g in gens
+        if g["method"] == "eagle3" and g["temperature"] == 0 and not g["dataset"].startswith("mt_bench")
     ][:3]:
         ids = prompts[(g["dataset"], g["id"])]
         out = target.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=eos)

@@ -212,3 +212,33 @@ def test_eval_set_relative_path_and_errors(tokenizer, monkeypatch, tmp_path):
     got, tally = evalsets.read(short, tokenizer, max_prompt_tokens=120)
     assert tally["read"] == 4 and tally["kept"] + tally["dropped"]["too_long"] == 4
     assert all(len(g["prompt_ids"]) <= 120 for g in got)
+
+
+def test_later_turns_follow_the_targets_own_answers(tokenizer):
+    """MT-Bench turn 2 is asked after turn 1 and the target's answer to it (its text after the end of thinking,
+    the stop token dropped); the reference renders the whole conversation written out by hand."""
+    rows = [json.loads(x) for x in (EVAL_DIR / "mt_bench.jsonl").read_text().splitlines()][:2]
+    es = evalsets.EvalSet(name="mt", path=str(EVAL_DIR / "mt_bench.jsonl"), benchmark="mt_bench",
+                          max_prompts=2, turns="all")  # fmt: skip
+    got, _ = evalsets.read(es, tokenizer, 4096)
+    assert [g["later_turns"] for g in got] == [r["turns"][1:] for r in rows]
+    answers = {}  # prompt ids -> the "target's" output: some thinking, its end, an answer, the stop token
+
+    def answer(ids):
+        text = f"<think>scratch {len(answers)}</think>Answer number {len(answers)}."
+        answers[tuple(ids)] = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        return answers[tuple(ids)]
+
+    later, tally = evalsets.followups(got, tokenizer, answer, 4096)
+    assert list(later) == ["mt_turn2"] and tally == {"kept": 2, "dropped": {}}
+    for i, (pr, r) in enumerate(zip(later["mt_turn2"], rows, strict=True)):
+        msgs = [{"role": "user", "content": r["turns"][0]},
+                {"role": "assistant", "content": f"Answer number {i}."},
+                {"role": "user", "content": r["turns"][1]}]  # fmt: skip
+        ref = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert pr.prompt_ids == tokenizer.encode(ref, add_special_tokens=False)
+        assert (pr.id, pr.dataset) == (f"{r['question_id']}#t2", "mt_turn2")
+    first = evalsets.read(es.model_copy(update={"turns": "first"}), tokenizer, 4096)[0]
+    assert "later_turns" not in first[0] and evalsets.followups(first, tokenizer, answer, 4096)[0] == {}
+    short, tally = evalsets.followups(got, tokenizer, answer, len(got[0]["prompt_ids"]) + 5)
+    assert short == {} and tally["dropped"] == {"too_long": 2}
