@@ -12,7 +12,8 @@ and indexes every sequence in it by its token ids (`eagle_lib.drafter.batches.se
 Any later training whose sequences are indexed here reads them and starts no producer (a rerun with more
 steps, another seed, 07's subsets of 05's data); a partly kept set has only the missing sequences produced.
 `KeptSource` is that reader for 07 (`eagle_lib.drafter.retrain`): it has the missing sequences of each
-training set made by a producer (`prepare`) and then serves every call from the store.
+training set made by one producer that stays up for all of them (`prepare`), and serves every call from the
+store.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -99,6 +101,13 @@ class HiddenStore:
         store.append_jsonl(self.dir / "index.jsonl", rows)  # after the move: an entry names a complete file
 
 
+def _close(procs: list, buf: Path, session: str) -> None:
+    from eagle_lib.drafter import engine_hidden
+
+    engine_hidden.stop(procs, buf / f"STOP.{session}")
+    shutil.rmtree(buf, ignore_errors=True)
+
+
 def assemble(batch, rows_of, aux_cols: list[int], last_col: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
     """aux (B, T, len(aux_cols) * H) and last (B, T, H) of a packed batch; ``rows_of(key, n)`` gives each
     segment's [n, n_ids, H] (padding positions stay 0)."""
@@ -134,6 +143,8 @@ class KeptSource:
         self.ident = identity(self.target, hf_config, self.embed, self.head.lm_head, self.pcfg)
         self.kept: HiddenStore | None = None
         self.stats = {"kept_tokens": 0, "produced_tokens": 0, "producer_sessions": 0}
+        self.buf, self.session, self.procs, self.plan, self.n_seqs = None, "", [], [], 0
+        self._finalizer = None
 
     def use_root(self, run_dir: str | Path, prepare: bool = True) -> None:
         """The store of the run whose 05 kept them (``hidden_dump_dir`` or run_dir/drafter/hidden_buffer); with
@@ -165,47 +176,52 @@ class KeptSource:
             self.produce(missing)
 
     def produce(self, tokens: dict[str, list[int]]) -> None:
-        """One producer session making `tokens` (key -> ids) into units of about a micro-batch, each moved
-        into the store as it appears (the buffer bound holds: the cursor advances as they are moved)."""
+        """Make `tokens` (key -> ids) into units of about a micro-batch, each moved into the store as it
+        appears (the cursor advances as they are moved, so the buffer bound holds). The producers start once
+        per source and follow the plan (``follow``): later calls append units instead of starting vLLM again."""
         from eagle_lib.drafter import engine_hidden
 
-        kept, keys, budget = (
-            self._store(),
-            list(tokens),
-            self.recipe["rows_per_batch"] * self.recipe["pack_len"],
-        )
-        units, cur = [], []
-        for k in keys:  # consecutive keys, about one micro-batch of tokens per unit
+        kept, r = self._store(), self.recipe
+        units, cur, budget = [], [], r["rows_per_batch"] * r["pack_len"]
+        for k in tokens:  # consecutive keys, about one micro-batch of tokens per unit
             if cur and sum(len(tokens[c]) for c in cur) + len(tokens[k]) > budget:
                 units.append(cur)
                 cur = []
             cur.append(k)
         units.append(cur)
-        buf = kept.dir / "produce" / store.stable_hash(keys)
-        shutil.rmtree(buf, ignore_errors=True)
-        buf.mkdir(parents=True)
-        index = {k: i for i, k in enumerate(keys)}
-        with open(buf / "sequences.jsonl", "w") as f:
-            f.writelines(json.dumps(tokens[k]) + "\n" for k in keys)
-        max_len = max(len(v) for v in tokens.values()) + 8
-        hb.write_json(buf / "producer_config.json", {**self.pcfg, "max_model_len": max_len})
-        hb.write_json(buf / "plan.json", {"units": [[index[k] for k in u] for u in units]})
-        hb.write_json(buf / "cursor.json", {"next": 0})
-        session = f"{os.getpid()}-{time.time_ns()}"
-        cpu, n = self.device.type == "cpu", self.recipe["num_producers"]
-        start = self.recipe["start_producers"]
-        procs = [engine_hidden.launch(buf, i, n, session, cpu) for i in range(n)] if start else []
-        self.stats["producer_sessions"] += 1
-        try:
-            for u, unit in enumerate(units):
-                path = buf / hb.unit_name(u)
-                engine_hidden.wait_for(path, procs, buf)
-                kept.add(path, unit, [len(tokens[k]) for k in unit])
-                hb.write_json(buf / "cursor.json", {"next": u + 1})
-                self.stats["produced_tokens"] += sum(len(tokens[k]) for k in unit)
-        finally:
-            engine_hidden.stop(procs, buf / f"STOP.{session}")
-        shutil.rmtree(buf, ignore_errors=True)
+        if self.buf is None:
+            self.session = f"{os.getpid()}-{time.time_ns()}"
+            self.buf = kept.dir / "produce" / self.session
+            self.buf.mkdir(parents=True)
+            (self.buf / "sequences.jsonl").touch()
+            max_len = max(r["max_seq_len"], *map(len, tokens.values())) + 8  # 07's sequences are cut to it
+            hb.write_json(
+                self.buf / "producer_config.json", {**self.pcfg, "max_model_len": max_len, "follow": True}
+            )
+            hb.write_json(self.buf / "cursor.json", {"next": 0})
+            self._finalizer = weakref.finalize(self, _close, self.procs, self.buf, self.session)
+        index = {k: self.n_seqs + i for i, k in enumerate(tokens)}
+        with open(self.buf / "sequences.jsonl", "a") as f:  # before the plan that names them
+            f.writelines(json.dumps(tokens[k]) + "\n" for k in tokens)
+        self.n_seqs += len(tokens)
+        first = len(self.plan)
+        self.plan += [[index[k] for k in u] for u in units]
+        hb.write_json(self.buf / "plan.json", {"units": self.plan})
+        if r["start_producers"] and all(p.poll() is not None for p in self.procs):
+            n, cpu = r["num_producers"], self.device.type == "cpu"
+            self.procs[:] = [engine_hidden.launch(self.buf, i, n, self.session, cpu) for i in range(n)]
+            self.stats["producer_sessions"] += 1
+        for j, unit in enumerate(units):
+            path = self.buf / hb.unit_name(first + j)
+            engine_hidden.wait_for(path, self.procs, self.buf)
+            kept.add(path, unit, [len(tokens[k]) for k in unit])
+            hb.write_json(self.buf / "cursor.json", {"next": first + j + 1})
+            self.stats["produced_tokens"] += sum(len(tokens[k]) for k in unit)
+
+    def close(self) -> None:
+        """Stop the producers and remove their buffer (also at garbage collection or exit)."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     @torch.no_grad()
     def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,6 +106,27 @@ class Producer:
         self.stats_path = buf / f"producer_{index}.json"
         self.parent = os.getppid() if self.cfg.get("exit_with_parent") else None
 
+    def mine(self, first: int) -> list[int]:
+        """This producer's non-empty units from `first` on; refuses one that cannot fit its buffer share."""
+        mine = [u for u in range(first, len(self.units)) if u % self.count == self.index and self.units[u]]
+        for u in mine:
+            if self.need(u) > self.ledger.share:
+                raise SystemExit(
+                    f"{self.buf}: unit {u} needs {self.need(u)} B in flight, more than this producer's "
+                    f"share {self.ledger.share} B of max_buffer_gb: raise max_buffer_gb or lower rows_per_batch"
+                )
+        return mine
+
+    def reload(self, known: int) -> list[int]:
+        """Units appended to plan.json since `known` units (its writer appends sequences.jsonl first)."""
+        units = hb.read_json(self.buf / "plan.json")["units"]
+        if len(units) <= known:
+            return []
+        with open(self.buf / "sequences.jsonl") as f:
+            self.seqs = [json.loads(line) for line in f]
+        self.units = units
+        return self.mine(known)
+
     def need(self, u: int) -> int:
         lengths = [len(self.seqs[i]) for i in self.units[u]]
         shard = hb.shard_bytes(sum(lengths), len(lengths), self.n_ids, self.h, self.cfg["storage_dtype"])
@@ -130,19 +151,21 @@ class Producer:
         scratch.mkdir(parents=True)
         for part in self.buf.glob("unit_*.part"):
             part.unlink()
-        mine = [u for u in range(len(self.units)) if u % self.count == self.index and self.units[u]]
-        for u in mine:
-            if self.need(u) > self.ledger.share:
-                raise SystemExit(
-                    f"{self.buf}: unit {u} needs {self.need(u)} B in flight, more than this producer's "
-                    f"share {self.ledger.share} B of max_buffer_gb: raise max_buffer_gb or lower rows_per_batch"
-                )
+        mine = self.mine(0)
         self.write_stats("starting")
         engine = make_engine(self.cfg, scratch)
         pos = 0
-        while pos < len(mine):
+        while True:
             if any(f.exists() for f in self.stop_files) or (self.parent and os.getppid() != self.parent):
                 break  # asked to stop, or the trainer that started us is gone
+            if pos == len(
+                mine
+            ):  # all planned units made: done, or (follow) wait for units appended to the plan
+                if not self.cfg.get("follow"):
+                    break
+                time.sleep(0.05)
+                mine += self.reload(len(self.units))
+                continue
             # Look at the files first, then at the cursor: the trainer advances the cursor before it deletes
             # a unit, so a unit seen missing here and consumed meanwhile is below the cursor read after.
             ahead = mine[pos : pos + self.cfg["units_per_call"]]

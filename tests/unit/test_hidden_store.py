@@ -146,12 +146,15 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     )
     src.prepare(a[:3])  # a nested subset: all kept
     assert src.stats["producer_sessions"] == 1
-    src.prepare(a[2:] + b)  # partly kept: only b is made
-    assert src.stats["producer_sessions"] == 2
+    src.prepare(a[2:] + b)  # partly kept: only b is made, by the producer started for a (it follows the plan)
+    assert src.stats["producer_sessions"] == 1 and started[0].poll() is None
     assert src.stats["produced_tokens"] == sum(len(s.input_ids) for s in a + b)
     assert not any(x.errors for x in started)
     check_online(src, model, plan(a + b, 3)[0])
-    assert not list((tmp_path / "hs" / "kept").glob("*/produce/*"))  # the sessions' buffers are removed
+    src.close()
+    assert started[0].poll() == 0 and not list(
+        (tmp_path / "hs" / "kept").glob("*/produce/*")
+    )  # the sessions' buffers are removed
 
     run = eagle_tiny.make_run(path.parent)  # a run of this target: 07 first makes every training sequence
     src = hidden_store.KeptSource(
@@ -161,6 +164,7 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     train = batches.load_sequences(run, params.SharedParams().heldout_percent, recipe["max_seq_len"])[0]
     assert src.stats["producer_sessions"] == 1 and all(seq_key(s.input_ids) in src.kept for s in train)
     assert src.stats["produced_tokens"] == sum(len(s.input_ids) for s in train)
+    src.close()
 
 
 def test_float8_storage_keeps_each_rows_range_within_e4m3_rounding(tmp_path):
