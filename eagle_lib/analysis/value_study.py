@@ -172,7 +172,7 @@ def regen(st: Study, p) -> tuple[pd.DataFrame, dict]:
     tok = models.load_tokenizer(st.cfg.shared)
     regen, orig, tally = [], [], {}
     for ds in [d for d in p.original_datasets if d in st.groups]:
-        seqs = {s.id: s for s in subsets.prefix(st.groups[ds], p.regen_fraction)}
+        seqs = {s.id: s for s in subsets.first_turns(subsets.prefix(st.groups[ds], p.regen_fraction))}
         o, tally[ds] = subsets.original_sequences(
             st.cfg.run_dir, ds, set(seqs), tok, st.recipe["max_seq_len"]
         )

@@ -142,3 +142,21 @@ def original_sequences(
         tally["kept"] += 1
     tally["not_in_source"] += len(stored)
     return out, dict(tally)
+
+
+def first_turns(seqs: list[Sequence]) -> list[Sequence]:
+    """The single-turn view of sequences: an each_turn conversation's sequence (id ``<conversation>#0``) cut after
+    its first answer and named by its conversation (as 02's prompt id, the one the original answers carry); its
+    later sequences (``#k``, k > 0) dropped; other sequences unchanged."""
+    from eagle_lib.data.multiturn import SEP
+
+    out = []
+    for s in seqs:
+        conv, sep, turn = s.id.rpartition(SEP)
+        if not sep:
+            out.append(s)
+        elif turn == "0" and 1 in s.loss_mask:
+            start = s.loss_mask.index(1)
+            end = next((i for i in range(start, len(s.loss_mask)) if not s.loss_mask[i]), len(s.loss_mask))
+            out.append(Sequence(conv, s.input_ids[:end], s.loss_mask[:end]))
+    return out

@@ -261,7 +261,25 @@ def test_sigkill_mid_conversation_resumes_each_turn_exactly_once(toy, answered, 
     ]
     recs = store.read_jsonl(out)
     ref = {r["id"]: r["output_ids"] for r in store.read_jsonl(ref_run / "infer/glaive/responses.jsonl")}
-    assert Counter(r["id"] for r in recs) == Counter(list(ref))  # every turn once: none lost, none generated twice
+    assert Counter(r["id"] for r in recs) == Counter(
+        list(ref)
+    )  # every turn once: none lost, none generated twice
     assert {r["id"]: r["output_ids"] for r in recs} == ref  # the same answers as the uninterrupted run
     assert meta["resumed"] == len(before) and meta["generated"] == len(ref) - len(before)
     assert meta["duplicates_ignored"] == 0
+
+
+def test_first_turns_cut_a_merged_conversation_to_its_turn_0(answered):
+    """07's single-turn view (regenerated vs original, multi vs single): turn 0's own record, named by its
+    conversation; later sequences dropped."""
+    from eagle_lib.data import subsets
+
+    run, _ = answered
+    recs = store.read_jsonl(run / "infer/glaive/responses.jsonl")
+    seqs = [batches.Sequence(r["id"], ids, mask) for r, ids, mask in multiturn.training_records(recs)]
+    firsts = {s.id: s for s in subsets.first_turns(seqs)}
+    zero = {r["conversation"]: r for r in recs if r["turn"] == 0}
+    assert set(firsts) == set(zero)
+    for cid, r in zero.items():
+        assert firsts[cid].input_ids == r["prompt_ids"] + r["output_ids"]
+        assert firsts[cid].loss_mask == [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])
