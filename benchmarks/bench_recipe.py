@@ -32,6 +32,8 @@ VARIANTS = {
     "norm_output": {"norm_output": True},
     "norm_all": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
     "drafted_input": {"ttt_input": "drafted"},
+    "target_t_0.5": {"target_temperature": 0.5},
+    "target_t_0.25": {"target_temperature": 0.25},
     "decay_0.8": {"ttt_preset": "custom", "ttt_steps": 3, "loss_decay": 0.8},
     "decay_0.6": {"ttt_preset": "custom", "ttt_steps": 3, "loss_decay": 0.6},
     "k4": {"ttt_preset": "custom", "ttt_steps": 4, "loss_decay": 1.0},

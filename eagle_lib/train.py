@@ -78,7 +78,7 @@ class Params(params.Strict):
         "label"  # input token of unroll steps >= 1: the data's next token | the drafter's own previous draft
     )
     target_temperature: float = 1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
-    # normalisation options of later EAGLE-3 trainers (speculators' names): ours only, 05 writes no exports
+    # normalisation options of later EAGLE-3 trainers (speculators' names): ours only, not servable (no exports)
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of the raw hidden
     norm_before_fc: bool = False  # an RMSNorm (extra weight input_norm) on the 3H_t features before fc
     norm_output: bool = False  # feed norm(out) back to the next draft step instead of the pre-norm out

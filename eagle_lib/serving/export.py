@@ -46,6 +46,9 @@ class ExportError(ValueError):
 
 def _layer_config(c: Eagle3Config) -> dict:
     """The one Llama decoder layer, as an HF LlamaConfig dict (vocab_size = the target's)."""
+    norms = [n for n in ("norm_before_residual", "norm_before_fc", "norm_output") if getattr(c, n)]
+    if norms:  # stage-05 training options (ours only): both formats describe the original EAGLE-3 layer
+        raise ValueError(f"cannot export a drafter trained with {', '.join(norms)}: not in the exports yet")
     return {
         "model_type": "llama",
         "num_hidden_layers": 1,

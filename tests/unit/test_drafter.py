@@ -189,6 +189,12 @@ def test_norm_option_matches_naive_reference_and_changes_only_its_part(option):
         assert not torch.allclose(out, b_out)
     else:
         assert not torch.allclose(logits, b_logits)
+    from eagle_lib.serving import export
+
+    export.sglang_config(base.config)  # the original layer exports
+    for make in (export.sglang_config, lambda c: export.speculators_config(c, "t", [])):
+        with pytest.raises(ValueError, match=option):  # ours only: an engine would run another layer
+            make(opt.config)
 
 
 def test_cache_append_and_crop_match_full_forward():
