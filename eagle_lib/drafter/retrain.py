@@ -29,7 +29,11 @@ HONOURED = {
     "epochs", "max_steps", "learning_rate", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_betas",
     "grad_clip", "grad_accum", "rows_per_batch", "pack_len", "max_seq_len", "max_train_samples",
     "init_lm_head_from_target", "precision", "max_bad_steps", "max_eval_samples", "attention", "hidden_dtype",
+    "ttt_input", "target_temperature", "norm_before_residual", "norm_before_fc", "norm_output",
 }  # fmt: skip
+# the recipe settings newer than some runs' 05 meta: a recipe without them trained with these values
+DEFAULTS = {"ttt_input": "label", "target_temperature": 1.0, "norm_before_residual": False, "norm_before_fc": False,
+            "norm_output": False}  # fmt: skip
 # 05 settings without effect on a single-process run's weights
 IGNORED = {
     "checkpoint_every", "keep_checkpoints", "resume", "log_every", "stop_after_steps", "nproc_per_node",
@@ -96,6 +100,8 @@ class Trainer:
         self.config = Eagle3Config.from_target_config(
             self.hf_config, recipe["draft_vocab_size"], recipe["aux_layers"] or None
         )
+        for flag in ("norm_before_residual", "norm_before_fc", "norm_output"):  # as 05 (drafter.trainer)
+            setattr(self.config, flag, bool(recipe.get(flag, DEFAULTS[flag])))
         self.k, self.decay = ttt.resolve_preset(
             recipe["ttt_preset"], recipe["ttt_steps"], recipe["loss_decay"]
         )
@@ -162,7 +168,8 @@ class Trainer:
         if hasattr(self.source, "prepare"):  # vllm: produce what 05 did not keep, in one producer session
             self.source.prepare(seqs)
         stream = batches.BatchStream(seqs, p["pack_len"], p["rows_per_batch"], self.shared.seed)
-        model = ttt.TTT(drafter, self.k, self.decay, self.attention)
+        model = ttt.TTT(drafter, self.k, self.decay, self.attention, p.get("ttt_input", DEFAULTS["ttt_input"]),
+                        p.get("target_temperature", DEFAULTS["target_temperature"]))  # fmt: skip
         trainable = [q for q in model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(
             trainable, lr=p["learning_rate"], betas=tuple(p["adam_betas"]), weight_decay=p["weight_decay"]
