@@ -64,16 +64,17 @@ def test_exports_in_both_formats(ci_run):
     assert any(k.startswith("layers.0.") for k in load_file(str(exp / "speculators" / "model.safetensors")))
 
 
-def test_measured_tau_is_logged_and_reported(ci_run):
+def test_measured_tau_is_skipped_with_its_reason_under_vllm(ci_run):
+    """ci trains from vLLM's hidden states: no target in the trainer's process, so no measured tau (it would
+    load the whole target there; 06 measures tau), and summary and report say why. Logging measured tau while
+    training is tests/unit/test_measure.py (online source); the toy run shows it in its 05 report."""
     d = ci_run / "drafter"
-    log = store.read_jsonl(d / "train_log.jsonl")
-    measured = [r for r in log if "measured_tau" in r]
-    assert [r["step"] for r in measured] == [30, 60]
-    assert all(1.0 <= r["measured_tau"] <= 4.0 and len(r["measured_acc"]) == 3 for r in measured)
+    assert store.read_json(d / "meta.json")["params"]["hidden_source"] == "vllm"
+    assert not [r for r in store.read_jsonl(d / "train_log.jsonl") if "measured_tau" in r]
     summary = store.read_json(d / "summary.json")
-    assert summary["measured"]["final_tau"] == measured[-1]["measured_tau"]
+    assert "has no target in this process" in summary["measured"]["skipped"]
     metrics = report.read_notebook_metrics(ci_run / "reports" / "05_train_eagle3.ipynb")
-    assert metrics["measured_tau"] == measured[-1]["measured_tau"]
+    assert metrics["measured_tau"] is None
     nb = json.loads((ci_run / "reports" / "05_train_eagle3.ipynb").read_text())
     outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("name") == "stderr"], "05 report has stderr output"
