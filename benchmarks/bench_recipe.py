@@ -32,6 +32,7 @@ VARIANTS = {
     "norm_output": {"norm_output": True},
     "norm_all": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
     "drafted_input": {"ttt_input": "drafted"},
+    "target_t_1.0": {"target_temperature": 1.0},  # the recipe before issue 15's change (toy.yaml now has 0.25)
     "target_t_0.5": {"target_temperature": 0.5},
     "target_t_0.25": {"target_temperature": 0.25},
     "target_t_0.1": {"target_temperature": 0.1},
