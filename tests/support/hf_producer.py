@@ -11,6 +11,27 @@ from safetensors.torch import save_file
 
 from eagle_lib.drafter import vllm_producer
 
+
+def assert_matches_online(src, model, aux: list[int], batches, delay_s: float = 0.0) -> None:
+    """Every batch's (aux features, target logits) from `src` equal transformers' own (`hidden.OnlineHidden`) on
+    the real tokens, to 1e-4; `delay_s` before each batch plays a slow trainer."""
+    import time
+
+    from eagle_lib.drafter import hidden
+
+    online = hidden.OnlineHidden(model, aux)
+    try:
+        for b in batches:
+            time.sleep(delay_s)
+            got_aux, got_logits = src(b)
+            ref_aux, ref_logits = online(b)
+            real = b.doc_ids >= 0
+            torch.testing.assert_close(got_aux[real], ref_aux[real], rtol=0, atol=1e-4)
+            torch.testing.assert_close(got_logits[real], ref_logits[real], rtol=0, atol=1e-4)
+    finally:
+        online.close()
+
+
 NO_SUCH_PGID = 2**30  # above any pid_max: engine_hidden.stop's killpg on it finds no process
 
 

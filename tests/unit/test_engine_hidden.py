@@ -7,7 +7,6 @@ never holds more than the buffer bound. tests/server/test_vllm_hidden.py runs th
 """
 
 import threading
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from eagle_lib import store
 from eagle_lib.drafter import engine_hidden, hidden, vllm_producer
 from eagle_lib.drafter import hidden_buffer as hb
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
-from tests.support import eagle_tiny
+from tests.support import eagle_tiny, hf_producer
 from tests.support.hf_producer import HFEngine
 
 torch.set_num_threads(1)
@@ -80,15 +79,8 @@ def test_streamed_units_equal_online_and_respect_the_bound(target, tmp_path, mon
     errors = []
     thread = threading.Thread(target=lambda: _run(prod, errors))
     thread.start()
-    online = hidden.OnlineHidden(model, AUX)
-    try:
-        for b in batches:
-            time.sleep(0.3)  # a slow trainer: the producer fills the buffer to its bound and waits
-            aux, logits = src(b)
-            ref_aux, ref_logits = online(b)
-            real = b.doc_ids >= 0
-            torch.testing.assert_close(aux[real], ref_aux[real], rtol=0, atol=1e-4)
-            torch.testing.assert_close(logits[real], ref_logits[real], rtol=0, atol=1e-4)
+    try:  # a slow trainer: the producer fills the buffer to its bound and waits
+        hf_producer.assert_matches_online(src, model, AUX, batches, delay_s=0.3)
     finally:
         thread.join(timeout=30)
     assert not errors, errors

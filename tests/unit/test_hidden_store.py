@@ -62,16 +62,7 @@ def store_of(path, model, root):
 
 
 def check_online(src, model, batches):
-    online = hidden.OnlineHidden(model, AUX)
-    try:
-        for b in batches:
-            aux, logits = src(b)
-            ref_aux, ref_logits = online(b)
-            real = b.doc_ids >= 0
-            torch.testing.assert_close(aux[real], ref_aux[real], rtol=0, atol=1e-4)
-            torch.testing.assert_close(logits[real], ref_logits[real], rtol=0, atol=1e-4)
-    finally:
-        online.close()
+    hf_producer.assert_matches_online(src, model, AUX, batches)
 
 
 def test_kept_sequences_serve_another_plan_and_a_partly_kept_one_makes_only_the_missing(target, tmp_path,
