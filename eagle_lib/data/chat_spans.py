@@ -268,11 +268,13 @@ def verified_spans(enc: Any, messages: list[dict], tools: list | None, text: str
                 raise ChatError(f"message {i}: the template does not render the assistant content verbatim")
             pos = j + len(c)
         pos = max(pos, e)
+        at = b  # calls render in order: each is searched after the previous one (two identical calls are two)
         for piece in call_pieces(m):
-            j = text.find(piece, b, hi)
+            j = text.find(piece, at, hi)
             if j < 0:
                 raise ChatError(f"message {i}: a tool call is not rendered verbatim inside its turn")
-            pos = max(pos, j + len(piece))
+            at = j + len(piece)
+            pos = max(pos, at)
         end = first_end(text, enc.probe.ends, pos, hi)
         spans.append((b, end if end >= 0 else pos))
     return spans

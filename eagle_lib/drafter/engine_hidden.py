@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 import weakref
@@ -210,16 +211,21 @@ class VllmHidden:
         return log_tail(self.buf, i, n)
 
     def observed_bytes(self) -> int:
-        """Bytes the buffer holds right now, by listing it (independent of the producers' accounting)."""
+        """Bytes the buffer holds right now, by listing it (independent of the producers' accounting). A file
+        that a producer renames (``.part`` -> final) or the consumer deletes between the listing and its stat is
+        skipped: the listing is a snapshot of a directory that other processes change."""
         cursor = self.next
         total = 0
         for f in self.buf.iterdir():
             if f.name.startswith("unit_") and (
                 not f.name.endswith(".safetensors") or int(f.name[5:13]) >= cursor
             ):
-                total += f.stat().st_size
+                total += _size(f)
             elif f.name.startswith("scratch_") and f.is_dir():
-                total += sum(g.stat().st_size for g in f.iterdir() if g.is_file())
+                try:
+                    total += sum(_size(g) for g in f.iterdir())
+                except FileNotFoundError:  # the scratch dir itself went away
+                    pass
         return total
 
     @torch.no_grad()
@@ -336,3 +342,12 @@ def make_source(cfg, device, hf_config, fingerprint: str):
                      producer_cfg=producer_cfg, num_producers=p.num_producers, keep=p.keep_hidden_states,
                      start_producers=p.start_producers, kept=kept)  # fmt: skip
     return src, embed, head.lm_head, None
+
+
+def _size(f: Path) -> int:
+    """A file's size, 0 when it is gone (renamed or deleted since it was listed) or is not a file."""
+    try:
+        st = f.stat()
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0

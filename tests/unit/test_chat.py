@@ -414,3 +414,23 @@ def test_every_conversation_of_the_built_toy_world_is_exact():
             assert (got.input_ids, got.loss_mask) == (ids, mask), conv["id"]
             n += 1
     assert n > 2000
+
+
+TWIN_CALLS = [  # two identical parallel tool calls: the fallback once located the first twice (hypothesis found it)
+    {"role": "user", "content": "0"},
+    {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": f"functions.get_weather:{i}", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"q": "0"}'}} for i in range(2)]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "0"},
+    {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "0"},
+    {"role": "assistant", "content": "0", "reasoning_content": "0"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(T.MATRIX))
+def test_identical_parallel_tool_calls_are_both_trained(name):
+    """Exact or rejected on every template (check compares with the generation-marker reference); the final_close
+    fallback keeps it, with both calls in the mask."""
+    got = check(name, TWIN_CALLS, [])
+    if name == "final_close":
+        assert got == "kept"
