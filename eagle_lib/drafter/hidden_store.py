@@ -214,8 +214,10 @@ class KeptSource:
         for j, unit in enumerate(units):
             path = self.buf / hb.unit_name(first + j)
             engine_hidden.wait_for(path, self.procs, self.buf)
-            kept.add(path, unit, [len(tokens[k]) for k in unit])
+            # the cursor first, then the move (as 05's consumer deletes): a producer that finds the unit gone
+            # then also finds it below the cursor, and does not make it again
             hb.write_json(self.buf / "cursor.json", {"next": first + j + 1})
+            kept.add(path, unit, [len(tokens[k]) for k in unit])
             self.stats["produced_tokens"] += sum(len(tokens[k]) for k in unit)
 
     def close(self) -> None:
