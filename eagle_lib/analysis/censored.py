@@ -17,6 +17,13 @@ estimates are then bounds: "low" puts S_end just above the largest censored valu
 the limit. The interval runs from the low bound's lower percentile to the high bound's upper one, so it covers
 the final value when either bound is right; a verdict whose threshold lies inside it is "undetermined yet".
 
+Point estimate of the shares. Between those bounds the data alone do not decide (the tail beyond the longest
+observation is undistributed), so the point estimate of the share cut at the limit and of the short share comes
+from a model: a lognormal of (length + 1) fitted by maximum likelihood to the finished lengths (exact) and the
+in-flight ones (longer than what they have typically produced; at the limit: at least the limit), by EM
+(`lognormal_fit`). Reasoning lengths are close to lognormal; the model only places the point inside the
+nonparametric interval (it is clipped to it), it never narrows the interval.
+
 Bootstrap. Units are resampled by multinomial counts over distinct (value, kind) groups, so a replicate costs
 O(distinct lengths), not O(samples). Each replicate is a predictive draw of the final quantity: the measured
 part is fixed, in-flight requests add their conditional mean E[T | T > C_i] and the unstarted ones m x mean,
@@ -25,6 +32,7 @@ with the normal spread of their sum.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -109,14 +117,32 @@ def counted(s: RunState, rate: np.ndarray) -> np.ndarray:
     )
 
 
+def count_rate(s: RunState) -> float | None:
+    """One request's decode tokens/s from the engine's streamed counts: the median over the in-flight requests
+    with a count of n / (t - start); None when the engine gives no counts (the HTTP engines)."""
+    n, t = s.counts()
+    ok = np.isfinite(t) & (t > s.in_start) & (n > 0)
+    return float(np.median(n[ok] / (t[ok] - s.in_start[ok]))) if ok.any() else None
+
+
 def typical_produced(s: RunState, quantile: float) -> np.ndarray:
-    """(k,) what each in-flight request has typically produced: (elapsed - overhead) / seconds per token.
+    """(k,) what each in-flight request has typically produced.
+
+    With the engine's streamed counts (the embedded engine records one per request every few seconds): its
+    latest count plus `count_rate` x the seconds since (no count yet: that rate x elapsed). Otherwise
+    (elapsed - overhead) / seconds per token:
 
     Per server, latency = overhead + tokens x seconds-per-token is fitted by least squares over its finished
     requests (queueing and prefill are the overhead, so long requests are not judged by short ones' rates);
     with fewer than 10 of them, or a fit that is not increasing, the `quantile` rate x elapsed. Never below the
     sure lower bound, never at the limit (it would have finished).
     """
+    cr = count_rate(s)
+    if cr is not None:  # counted: finished requests' rates (short ones finish fast) would overstate it
+        n, t = s.counts()
+        since = np.where(np.isfinite(t), s.as_of - np.nan_to_num(t, nan=0.0), s.as_of - s.in_start)
+        out = np.floor(np.where(np.isfinite(t), n, 0.0) + cr * np.maximum(since, 0.0))
+        return np.minimum(out, max(s.limit - 1, 0))
     low = censor_points(s, quantile)[1]
     dt, out = s.end - s.start, low.copy()
     ok = np.isfinite(dt) & (dt > 0)
@@ -219,6 +245,81 @@ def _predict(km: KM, c_in: np.ndarray, n_in: np.ndarray, m: int, base: dict, whe
             "p_short": p_short}  # fmt: skip
 
 
+def _erfc(x: np.ndarray) -> np.ndarray:
+    """Complementary error function, vectorised (Chebyshev fit, fractional error < 1.2e-7 everywhere)."""
+    z = np.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (
+        0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))  # fmt: skip
+    r = t * np.exp(poly)
+    return np.where(x >= 0, r, 2.0 - r)
+
+
+def norm_sf(z: np.ndarray) -> np.ndarray:
+    """P(Z > z) of a standard normal."""
+    return 0.5 * _erfc(np.asarray(z, dtype=np.float64) / math.sqrt(2.0))
+
+
+def _mills(z: np.ndarray) -> np.ndarray:
+    """pdf(z) / sf(z) (the inverse Mills ratio), with its asymptote where sf underflows."""
+    sf = norm_sf(z)
+    pdf = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sf > 1e-250, pdf / np.maximum(sf, 1e-300), z + 1.0 / np.maximum(z, 1e-9))
+
+
+def lognormal_fit(events: np.ndarray, ew: np.ndarray, cens: np.ndarray, cw: np.ndarray,
+                  iters: int = 2000, tol: float = 1e-9) -> tuple[float, float] | None:  # fmt: skip
+    """Maximum-likelihood (mu, sigma) of log(T + 1) from exact lengths `events` (weights `ew`) and right-censored
+    ones T > `cens` (weights `cw`), by EM: a censored unit contributes its conditional moments of log(T + 1)
+    given log(T + 1) > log(c + 1) (the truncated-normal formulas). None without any exact length (no scale)."""
+    if ew.sum() <= 0:
+        return None
+    y, c = np.log1p(events.astype(np.float64)), np.log1p(cens.astype(np.float64))
+    w_all = ew.sum() + cw.sum()
+    mu = float(np.average(y, weights=ew))
+    sd = max(float(np.sqrt(np.average((y - mu) ** 2, weights=ew))), 0.05)
+    sy, syy = float((ew * y).sum()), float((ew * y * y).sum())
+    for _ in range(iters):
+        lam = _mills((c - mu) / sd)
+        e1 = mu + sd * lam
+        e2 = mu * mu + sd * sd + sd * (c + mu) * lam
+        m = (sy + float((cw * e1).sum())) / w_all
+        v = (syy + float((cw * e2).sum())) / w_all - m * m
+        new_sd = max(math.sqrt(max(v, 0.0)), 0.05)  # a floor: identical lengths would give sigma 0
+        done = abs(m - mu) < tol and abs(new_sd - sd) < tol
+        mu, sd = m, new_sd
+        if done:
+            break
+    return mu, sd
+
+
+def model_shares(s: RunState, c_in: np.ndarray, short: int) -> dict | None:
+    """Point estimates of the final share at the limit and the short share under `lognormal_fit`: measured for
+    the finished, P(. | T > c_i) for the in-flight (c_in: what each has typically produced), the unconditional
+    probability for those not started. None when nothing has finished below the limit yet."""
+    below = s.status != 1
+    ev, ev_w = np.unique(s.completion[below], return_counts=True)
+    n_lim = int((~below).sum())
+    cv, cv_w = np.unique(np.concatenate([c_in, np.full(n_lim, s.limit)]), return_counts=True)
+    fit = lognormal_fit(ev, ev_w.astype(np.float64), cv, cv_w.astype(np.float64))
+    if fit is None:
+        return None
+    mu, sd = fit
+    z = lambda x: (np.log1p(np.asarray(x, dtype=np.float64)) - mu) / sd  # noqa: E731
+    sf_lim = float(norm_sf(z(s.limit - 0.5)))  # P(T >= limit): lengths are integers
+    sf_short = float(norm_sf(z(short - 0.5)))  # P(T >= short)
+    sf_c = np.maximum(norm_sf(z(c_in + 0.5)), 1e-300)  # P(T > c_i)
+    p_lim_in = np.minimum(sf_lim / sf_c, 1.0)
+    p_short_in = np.where(c_in < short - 1, np.clip((sf_c - sf_short) / sf_c, 0.0, 1.0), 0.0)
+    m, planned = s.not_started, s.completion.size + c_in.size + s.not_started
+    return {
+        "share_at_limit": (n_lim + p_lim_in.sum() + m * sf_lim) / planned,
+        "share_short": (float((s.completion < short).sum()) + p_short_in.sum() + m * (1 - sf_short)) / planned,
+        "mu": mu, "sigma": sd,
+    }  # fmt: skip
+
+
 def _interval(lo: np.ndarray, hi: np.ndarray, tail: float) -> tuple[float, float, float]:
     """(point, lo, hi): the midpoint of the bounds' medians and the outer percentiles."""
     point = float(np.median((lo + hi) / 2))
@@ -263,13 +364,21 @@ def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 
             "mean": p["mean"], "p_short": p["p_short"],
         }  # fmt: skip
     lo, hi = draws["low"], draws["high"]
-    return out | {
+    res = out | {
         "tokens": _interval(lo["tokens"], hi["tokens"], tail),
         "share_at_limit": _interval(lo["at_limit"], hi["at_limit"], tail),
         "share_short": _interval(np.minimum(lo["p_short"], hi["p_short"]), np.maximum(lo["p_short"], hi["p_short"]), tail),
         "mean": _interval(lo["mean"], hi["mean"], tail),
         "draws": (lo["tokens"], hi["tokens"]),  # (R,) each: the corpus interval sums them over datasets
+        "point_model": "bounds' midpoint",
     }  # fmt: skip
+    model = model_shares(s, typical_produced(s, typical), short)
+    if model is not None:  # the shares' point from the lognormal, inside the nonparametric interval
+        for q in ("share_at_limit", "share_short"):
+            _, q_lo, q_hi = res[q]
+            res[q] = (float(np.clip(model[q], q_lo, q_hi)), q_lo, q_hi)
+        res["point_model"] = f"lognormal fit (mu {model['mu']:.2f}, sigma {model['sigma']:.2f} of log(tokens + 1))"
+    return res
 
 
 def naive(s: RunState, reps: int = 400, interval: float = 0.95, seed: int = 0) -> dict:

@@ -33,8 +33,10 @@ COLUMNS = ["level", "kind", "dataset", "check", "value", "threshold", "message"]
 def _live_checks(name: str, est: dict, p: Params) -> list[tuple]:
     """Truncation and short-response verdicts of a dataset in progress, from its censoring-aware interval.
 
-    warn: the whole interval is over the threshold; undetermined yet: the threshold lies inside it (the
-    in-flight and unstarted responses could still decide either way); nothing: the interval is below it.
+    warn: the whole interval is over the threshold, or the point estimate (the lognormal fit, see
+    `censored.estimate`) is over it while the interval is not yet: "undetermined yet, likely over the threshold"
+    (acting now is cheaper than after the run); undetermined yet: the threshold lies inside the interval and the
+    estimate is under it; nothing: the interval is below it.
     """
     out, moving = (
         [],
@@ -53,17 +55,19 @@ def _live_checks(name: str, est: dict, p: Params) -> list[tuple]:
         point, lo, hi = est[key]
         if not np.isfinite(point) or hi <= thr:
             continue
-        level = "warn" if lo > thr else "undetermined"
+        level = "warn" if lo > thr or point > thr else "undetermined"
         verdict, advice = "", f": {fix}" if fix else ""
-        if level == "undetermined" and point > thr:  # the estimate is over it, the interval not yet
+        if lo <= thr < point:  # the estimate is over it, the interval not yet
             verdict, advice = (
                 "undetermined yet, likely over the threshold: ",
                 f": if it holds, {fix}" if fix else "",
             )
         elif level == "undetermined":
             verdict, advice = "undetermined yet: ", ""
+        model = est.get("point_model", "")
+        source = " by the lognormal fit" if model.startswith("lognormal") else ""
         out.append((level, "B", name, check, point,
-                    thr, f"{verdict}{point:.1%} of the final samples {what} (95% interval {lo:.1%}-{hi:.1%}; "
+                    thr, f"{verdict}{point:.1%} of the final samples {what}{source} (95% interval {lo:.1%}-{hi:.1%}; "
                     f"threshold {thr:.0%}; {moving}){advice}"))  # fmt: skip
     return out
 
@@ -291,6 +295,8 @@ def answer(report) -> str:
                 f"{corpus['projected']:,.0f} projected (95% interval {corpus['lo']:,.0f}-{corpus['hi']:,.0f}), "
                 f"{int(running.in_flight.sum()):,} responses in flight")  # fmt: skip
     trunc = v[(v.check == "truncation") & (v.level == "warn")]
+    likely = trunc.message.str.startswith("undetermined yet, likely over")
+    trunc, likely = trunc[~likely], trunc[likely]
     undecided = v[(v.check == "truncation") & (v.level == "undetermined")]
     thr = f"{report.params.max_limit_share:.0%}"
     parts = [head]
@@ -302,13 +308,16 @@ def answer(report) -> str:
             else "raise max_new_tokens (B) / 01's max_seq_len (A)"
         )
         parts.append(f"{len(trunc)} dataset(s) cut at the limit in > {thr} of samples ({names}): {fix}")
+    def listed(rows) -> str:
+        est = {d: report.estimates[d]["share_at_limit"] for d in rows.dataset}
+        return ", ".join(f"B/{d} (estimate {pt:.0%}, {lo:.0%}-{hi:.0%})" for d, (pt, lo, hi) in est.items())
+
+    if len(likely):
+        parts.append(f"truncation likely over {thr}, undetermined yet, for {listed(likely)}: if it holds, "
+                     "raise max_new_tokens (cheaper now than after the run)")  # fmt: skip
     if len(undecided):
-        est = {d: report.estimates[d]["share_at_limit"] for d in undecided.dataset}
-        listed = ", ".join(f"B/{d} (estimate {pt:.0%}, {lo:.0%}-{hi:.0%})" for d, (pt, lo, hi) in est.items())
-        likely = [d for d, (pt, _, _) in est.items() if pt > report.params.max_limit_share]
-        parts.append(f"truncation undetermined yet for {listed}"
-                     + (f", likely over {thr} for {', '.join(likely)}" if likely else ""))  # fmt: skip
-    if not len(trunc) and not len(undecided):
+        parts.append(f"truncation undetermined yet for {listed(undecided)}")
+    if not len(trunc) and not len(likely) and not len(undecided):
         parts.append(f"no dataset cut at the limit in > {thr} of samples")
     others = v[(v.level == "warn") & (v.check != "truncation")]
     if len(others):

@@ -5,6 +5,8 @@ censoring bounds, and the calibration test: snapshots of a simulated long run (t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -117,10 +119,11 @@ def calibration():
                 for method, est in (("censored", censored.estimate(snap, reps=200, seed=seed)),
                                     ("finished only", censored.naive(snap, reps=200, seed=seed))):  # fmt: skip
                     for q in ("tokens", "share_at_limit"):
-                        _, lo, hi = est[q]
+                        point, lo, hi = est[q]
                         out[method, name, seed, f, q] = (
                             lo <= truth[q] <= hi,
                             (hi - lo) / max(truth[q], 1e-3),
+                            point - truth[q],
                         )
     return out
 
@@ -171,3 +174,55 @@ def test_intervals_narrow_as_the_run_proceeds(calibration):
                 np.median([calibration["censored", name, s, f, q][1] for s in SEEDS]) for f in FRACTIONS
             ]
             assert all(a > b for a, b in zip(widths, widths[1:], strict=False)), (name, q, widths)
+
+
+def test_the_share_point_estimate_is_near_the_final_share(calibration):
+    """The lognormal point (the verdicts' "likely") against the simulated truth, from 20% on: the simulation is
+    lognormal, so this checks the fit and the conditioning on what each in-flight request has produced."""
+    errs = [abs(v[2]) for (m, _, _, f, q), v in calibration.items()
+            if m == "censored" and q == "share_at_limit" and f >= 0.2]  # fmt: skip
+    print(f"share point estimate, |estimate - final| from 20% on: median {np.median(errs):.4f}, max {max(errs):.4f}")
+    assert np.median(errs) <= 0.01 and max(errs) <= 0.05, sorted(errs)[-5:]
+
+
+def _loglik(mu: float, sd: float, events, cens) -> float:
+    """The censored lognormal log-likelihood of log(T + 1), written with the standard library only."""
+    ll = 0.0
+    for x in events:
+        z = (math.log1p(x) - mu) / sd
+        ll += -0.5 * z * z - math.log(sd)
+    for c in cens:
+        ll += math.log(max(0.5 * math.erfc((math.log1p(c) - mu) / sd / math.sqrt(2)), 1e-300))
+    return ll
+
+
+def test_lognormal_fit_maximises_the_censored_likelihood():
+    rng = np.random.default_rng(5)
+    t = np.rint(rng.lognormal(5.0, 0.9, 300))
+    c = np.rint(rng.uniform(20, 600, 300))  # censoring independent of T
+    events, cens = t[t <= c], c[t > c]
+    mu, sd = censored.lognormal_fit(events, np.ones(events.size), cens, np.ones(cens.size))
+    grid = [(m, s) for m in np.arange(4.0, 6.0, 0.01) for s in np.arange(0.5, 1.5, 0.01)]
+    best = max(grid, key=lambda g: _loglik(g[0], g[1], events, cens))
+    assert abs(mu - best[0]) <= 0.011 and abs(sd - best[1]) <= 0.011, (mu, sd, best)
+    assert _loglik(mu, sd, events, cens) >= _loglik(*best, events, cens) - 1e-6
+    only = censored.lognormal_fit(events, np.ones(events.size), np.empty(0), np.empty(0))
+    y = np.log1p(events)
+    assert only == pytest.approx((y.mean(), y.std()))  # uncensored: the sample mean and sd of log(T + 1)
+    assert censored.lognormal_fit(np.empty(0), np.empty(0), cens, np.ones(cens.size)) is None
+
+
+def test_norm_sf_matches_erfc():
+    z = np.linspace(-8, 8, 161)
+    ref = np.array([0.5 * math.erfc(x / math.sqrt(2)) for x in z])
+    assert np.all(np.abs(censored.norm_sf(z) - ref) <= 2e-7 * ref + 1e-300)
+
+
+def test_streamed_counts_give_the_in_flight_progress():
+    # finished requests were fast (short ones finish first): their rates would say the in-flight ones are done
+    s = _state([10] * 20, [0] * 20, [0.0] * 20, [0.5] * 20, [60.0, 90.0, 99.0], limit=512, as_of=100.0)
+    s.in_count, s.in_count_t = np.array([200, 50, 0]), np.array([98.0, 98.0, np.nan])
+    rate = np.median([200 / 38.0, 50 / 8.0])  # n / (t - start) of the counted ones
+    expect = np.floor([200 + 2 * rate, 50 + 2 * rate, 1 * rate])
+    assert np.array_equal(censored.typical_produced(s, 0.5), expect)
+    assert censored.count_rate(s) == pytest.approx(rate)

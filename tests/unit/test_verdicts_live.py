@@ -1,5 +1,6 @@
-"""04's mid-run truncation verdict from a censoring-aware interval: warn only when the whole interval is over the
-threshold; undetermined otherwise, and said to be likely when the estimate itself is over it."""
+"""04's mid-run truncation verdict from a censoring-aware interval: warn when the whole interval is over the
+threshold, or when the point estimate is over it ("undetermined yet, likely over the threshold": acting before
+the run ends is the point of a mid-run report); undetermined when only the interval's top is over it."""
 
 import pytest
 
@@ -7,9 +8,9 @@ from eagle_lib.analysis.verdicts import COLUMNS, _live_checks
 from eagle_lib.lengths import Params
 
 
-def truncation(share: tuple[float, float, float]) -> dict | None:
+def truncation(share: tuple[float, float, float], model: str = "bounds' midpoint") -> dict | None:
     est = {"share_at_limit": share, "share_short": (0.0, 0.0, 0.0), "in_flight": 7, "not_started": 30,
-           "finished": 12}  # fmt: skip
+           "finished": 12, "point_model": model}  # fmt: skip
     p = Params(max_limit_share=0.05)
     rows = [dict(zip(COLUMNS, r, strict=True)) for r in _live_checks("mot", est, p)]
     return next((r for r in rows if r["check"] == "truncation"), None)
@@ -21,7 +22,7 @@ def truncation(share: tuple[float, float, float]) -> dict | None:
         ((0.24, 0.10, 0.55), "warn", "24.0% of the final", ": raise max_new_tokens"),
         (
             (0.24, 0.0, 0.55),
-            "undetermined",
+            "warn",
             "undetermined yet, likely over the threshold: 24.0%",
             ": if it holds, raise max_new_tokens",
         ),  # fmt: skip
@@ -38,3 +39,9 @@ def test_levels_and_wording(share, level, opening, advice):
 
 def test_an_interval_under_the_threshold_says_nothing():
     assert truncation((0.01, 0.0, 0.04)) is None
+
+
+def test_a_model_estimate_is_named_as_such():
+    row = truncation((0.24, 0.0, 0.55), "lognormal fit (mu 4.1, sigma 1.2 of log(tokens + 1))")
+    assert row["level"] == "warn" and "end at the limit by the lognormal fit (95% interval 0.0%-55.0%" in row["message"]
+    assert "by the lognormal" not in truncation((0.24, 0.1, 0.55))["message"]
