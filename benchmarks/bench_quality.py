@@ -15,7 +15,12 @@ Both drafters are then measured by greedy speculative decoding (`eagle_lib.servi
 same held-out prompts, speculators' model loaded through our reader of its own save format
 (`eagle_lib.serving.export.load_export`). Prints tau per side and the ratio ours / speculators.
 
-    .venv/bin/python benchmarks/bench_quality.py [--run-dir outputs/toy] [--steps 80] [--k 3] [--lr 5e-3]
+    .venv/bin/python benchmarks/bench_quality.py [--run-dir outputs/toy] [--steps 80] [--k 3] [--lr 5e-3] [--vllm]
+
+With ``--vllm`` both exports are also served by a local vLLM CPU server (`make vllm-env`), one after the other,
+each as the EAGLE-3 drafter of the toy target (our speculators-format export, and speculators' own
+`save_pretrained` output), and tau is read from vLLM's spec-decoding counters on the same held-out prompts (vLLM
+counts drafts uncut at the token budget, so its tau is compared between the two servers, not with the offline one).
 
 speculators runs in its own venv (`make bench-env`), as in bench_train.py. Wall time is measured on each side
 and includes the target's forward; on a shared CPU it varies with the load, the step counts do not.
@@ -231,6 +236,37 @@ def _tau(drafter, target, tokenizer, held, a) -> dict:
     return measure.Meter(target, drafter.config.aux_layers, prompts, a.new_tokens, a.drafts, eos)(drafter)
 
 
+def _served_tau(cfg, export_dir: Path, prompts: list[list[int]], a, log_dir: Path) -> dict:
+    """vLLM's tau for one export: a local CPU server with it as the toy target's EAGLE-3 drafter, greedy."""
+    import torch
+
+    from eagle_lib import models
+    from eagle_lib.data.evalsets import Prompt
+    from eagle_lib.engines.vllm_server import start_vllm
+    from eagle_lib.serving import online
+
+    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": a.drafts}
+    max_len = max(len(x) for x in prompts) + a.new_tokens + 2 * a.drafts + 8
+    ps = [Prompt(f"p{i}", "heldout", ids) for i, ids in enumerate(prompts)]
+    with start_vllm(
+        models.resolve(cfg.shared.target),
+        extra_args=["--speculative-config", json.dumps(spec)],
+        tokenizer=models.resolve(cfg.shared.tokenizer_path),
+        max_model_len=max_len,
+        log_dir=log_dir,
+    ) as srv:
+        res = online.online_vllm(srv.base_url, srv.model, {"heldout": ps}, a.new_tokens, a.drafts)["heldout"]
+    target = models.load_target(cfg.shared, device="cpu")
+    same = 0
+    for pr in ps:  # the served output against the target's own greedy decoding (lossless serving)
+        with torch.no_grad():
+            ref = target.generate(torch.tensor([pr.prompt_ids]), max_new_tokens=a.new_tokens, do_sample=False)
+        ref_ids = ref[0, len(pr.prompt_ids) :].tolist()
+        got = res["outputs"][pr.id]
+        same += got[: len(ref_ids)] == ref_ids[: len(got)]  # equal up to the shorter (a stop token kept or not)
+    return {**res, "same": same, "n": len(ps)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", default=str(ROOT / "outputs" / "toy"))
@@ -255,6 +291,7 @@ def main() -> None:
     ap.add_argument(
         "--keep", action="store_true", help="keep the work directory (both drafters, the batches)"
     )
+    ap.add_argument("--vllm", action="store_true", help="also serve both exports with vLLM and read its tau")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -273,7 +310,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from eagle_lib import models, train
-    from eagle_lib.drafter import batches
+    from eagle_lib.drafter import batches, measure
     from eagle_lib.drafter.model import load_drafter
     from eagle_lib.serving import export
 
@@ -325,6 +362,12 @@ def main() -> None:
         _tau(their_drafter, target, tokenizer, held, a),
     )
     ratio = t_ours["tau"] / t_theirs["tau"]
+    served = {}
+    if a.vllm:
+        exports = {"ours": work / "drafter" / "export" / "speculators", "speculators": work / "speculators"}
+        prompts = measure.prompts_of(held, a.prompts, 1024)
+        for side, d in exports.items():
+            served[side] = _served_tau(cfg, d, prompts, a, work / f"vllm-{side}")
     if not a.keep:
         shutil.rmtree(work)
     print(
@@ -340,6 +383,11 @@ def main() -> None:
         f"train {theirs['train_s']:.0f} s (steps only)"
     )
     print(f"  tau ours / speculators = {ratio:.3f}")
+    for side, r in served.items():
+        print(f"  vLLM serving {side:12s} tau {r['tau']:.3f}  acc {[round(x, 3) for x in r['acc']]}  "
+              f"({r['drafts']:.0f} verify steps; output = offline greedy on {r['same']}/{r['n']} prompts)")  # fmt: skip
+    if len(served) == 2:
+        print(f"  vLLM tau ours / speculators = {served['ours']['tau'] / served['speculators']['tau']:.3f}")
     print(
         json.dumps(
             {
@@ -351,6 +399,7 @@ def main() -> None:
                 "ours_s": ours_s,
                 "speculators_train_s": theirs["train_s"],
                 "heldout_acc_0": ours["heldout"]["acc"][0],
+                "vllm_tau": {side: r["tau"] for side, r in served.items()},
             }
         )
     )

@@ -49,6 +49,8 @@ VARIANTS = {
     "betas_999": {"adam_betas": [0.9, 0.999]},
     "clip_5": {"grad_clip": 5.0},
     "wd_0.01": {"weight_decay": 0.01},
+    "mlp_768": {"draft_intermediate_size": 768},  # 2x the toy target's 384
+    "mlp_1536": {"draft_intermediate_size": 1536},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
 }
 

@@ -82,6 +82,7 @@ class Params(params.Strict):
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of the raw hidden
     norm_before_fc: bool = False  # an RMSNorm (extra weight input_norm) on the 3H_t features before fc
     norm_output: bool = False  # feed norm(out) back to the next draft step instead of the pre-norm out
+    draft_intermediate_size: int = 0  # the drafter's MLP width; 0 takes the target's (served: a config value)
     epochs: int = 1  # passes over the training rows (ignored when max_steps > 0)
     max_steps: int = 80  # optimizer steps; 0 means epochs x steps per epoch
     learning_rate: float = 5e-3  # AdamW peak learning rate (toy; 1e-4 suits large targets)

@@ -30,10 +30,11 @@ HONOURED = {
     "grad_clip", "grad_accum", "rows_per_batch", "pack_len", "max_seq_len", "max_train_samples",
     "init_lm_head_from_target", "precision", "max_bad_steps", "max_eval_samples", "attention", "hidden_dtype",
     "ttt_input", "target_temperature", "norm_before_residual", "norm_before_fc", "norm_output",
+    "draft_intermediate_size",
 }  # fmt: skip
 # the recipe settings newer than some runs' 05 meta: a recipe without them trained with these values
 DEFAULTS = {"ttt_input": "label", "target_temperature": 1.0, "norm_before_residual": False, "norm_before_fc": False,
-            "norm_output": False}  # fmt: skip
+            "norm_output": False, "draft_intermediate_size": 0}  # fmt: skip
 # 05 settings without effect on a single-process run's weights
 IGNORED = {
     "checkpoint_every", "keep_checkpoints", "resume", "log_every", "stop_after_steps", "nproc_per_node",
@@ -102,6 +103,8 @@ class Trainer:
         )
         for flag in ("norm_before_residual", "norm_before_fc", "norm_output"):  # as 05 (drafter.trainer)
             setattr(self.config, flag, bool(recipe.get(flag, DEFAULTS[flag])))
+        width = recipe.get("draft_intermediate_size", DEFAULTS["draft_intermediate_size"])
+        self.config.intermediate_size = width or self.config.intermediate_size
         self.k, self.decay = ttt.resolve_preset(
             recipe["ttt_preset"], recipe["ttt_steps"], recipe["loss_decay"]
         )

@@ -174,6 +174,7 @@ def build(cfg: params.StageConfig, device, fp: str = ""):
     config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
     config.norm_before_residual, config.norm_before_fc = p.norm_before_residual, p.norm_before_fc
     config.norm_output = p.norm_output
+    config.intermediate_size = p.draft_intermediate_size or config.intermediate_size
     d2t, t2d, vinfo = vocab.for_stage(cfg, train_seqs, config.vocab_size)
     torch.manual_seed(cfg.shared.seed)
     drafter = Eagle3Drafter(config)

@@ -182,3 +182,29 @@ def test_report_answer_and_gap_table_state_the_numbers():
     )
     skipped = dict(summary, measured={"skipped": "measure_every is 0"})
     assert "not measured during training (measure_every is 0" in figures.answer_text(skipped)
+
+
+def test_draft_intermediate_size_sets_the_mlp_width_and_is_exported(world, tmp_path):
+    """05's `draft_intermediate_size` (a peer option: SpecForge / speculators take the draft layer's config):
+    the drafter's MLP has that width, both exports carry it, and each export reloads to the same logits."""
+    from eagle_lib.serving import export
+
+    root, run = world
+    cfg = eagle_tiny.stage_config(run, root / "target", draft_intermediate_size=40)
+    _, drafter, *_ = train.build(cfg, torch.device("cpu"))
+    assert drafter.config.intermediate_size == 40
+    assert tuple(drafter.midlayer.mlp.gate_proj.weight.shape) == (40, drafter.config.hidden_size)
+    made = export.export_all(drafter, tmp_path / "export", str(root / "target"), ["LlamaForCausalLM"], 3)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    aux = torch.randn(1, 4, 3 * drafter.config.hidden_size)
+    pos = torch.arange(4)[None]
+    with torch.no_grad():
+        want = drafter(ids, drafter.project(aux), pos, drafter.new_cache())[1]
+        for fmt, d in made.items():
+            back = export.load_export(d, drafter.embed_tokens.weight, drafter.config.aux_layers)
+            assert back.config.intermediate_size == 40, fmt
+            torch.testing.assert_close(back(ids, back.project(aux), pos, back.new_cache())[1], want)
+    default = train.build(eagle_tiny.stage_config(run, root / "target"), torch.device("cpu"))[1]
+    from transformers import AutoConfig
+
+    assert default.config.intermediate_size == AutoConfig.from_pretrained(root / "target").intermediate_size
