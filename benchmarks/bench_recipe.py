@@ -49,8 +49,16 @@ VARIANTS = {
     "betas_999": {"adam_betas": [0.9, 0.999]},
     "clip_5": {"grad_clip": 5.0},
     "wd_0.01": {"weight_decay": 0.01},
+    "aux_136": {"aux_layers": [1, 3, 6]},  # the high feature from layer L-2 instead of EAGLE-3's L-4
+    "aux_146": {"aux_layers": [1, 4, 6]},
     "mlp_768": {"draft_intermediate_size": 768},  # 2x the toy target's 384
     "mlp_1536": {"draft_intermediate_size": 1536},
+    "combo_aux_mlp_clip_betas": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                                 "adam_betas": [0.9, 0.999]},  # the small gains measured one by one, together
+    "aux_clip_betas": {"aux_layers": [1, 3, 6], "grad_clip": 2.0, "adam_betas": [0.9, 0.999]},
+    "aux_mlp768_clip_betas": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 768, "grad_clip": 2.0,
+                              "adam_betas": [0.9, 0.999]},
+    "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
 }
 
