@@ -58,6 +58,9 @@ VARIANTS = {
     "aux_clip_betas": {"aux_layers": [1, 3, 6], "grad_clip": 2.0, "adam_betas": [0.9, 0.999]},
     "aux_mlp768_clip_betas": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 768, "grad_clip": 2.0,
                               "adam_betas": [0.9, 0.999]},
+    "aux_mlp1536": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536},
+    "combo_lr_1.5e-2": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                        "adam_betas": [0.9, 0.999], "learning_rate": 0.015},
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
 }
