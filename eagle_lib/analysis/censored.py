@@ -350,6 +350,7 @@ def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 
     c_fin, c_in = censor_points(s, quantile)
     values, kinds, counts = groups(s, c_fin, c_in)
     c_typ = typical_produced(s, typical)  # what an in-flight request has typically produced
+    produced = c_typ.copy()
     step = max(1, s.limit // 2048)  # in-flight bounds on the groups' grid (floored: still lower bounds)
     c_typ, n_typ = np.unique(c_typ // step * step, return_counts=True)  # (R, distinct) arrays, not (R, k)
     w = rng.multinomial(n + k, counts / counts.sum(), size=reps).astype(np.float64)  # (R, G)
@@ -372,7 +373,10 @@ def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 
         "draws": (lo["tokens"], hi["tokens"]),  # (R,) each: the corpus interval sums them over datasets
         "point_model": "bounds' midpoint",
     }  # fmt: skip
-    model = model_shares(s, typical_produced(s, typical), short)
+    # a tail not yet seen: the started requests still running past what 90% of the finished ones produced
+    p90 = float(np.quantile(s.completion, 0.9)) if n >= 10 else float("nan")
+    res["outlived"] = (float((produced > p90).sum()) / (n + k) if np.isfinite(p90) else 0.0, p90)
+    model = model_shares(s, produced, short)
     if model is not None:  # the shares' point from the lognormal, inside the nonparametric interval
         for q in ("share_at_limit", "share_short"):
             _, q_lo, q_hi = res[q]

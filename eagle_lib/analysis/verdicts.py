@@ -62,6 +62,12 @@ def _live_checks(name: str, est: dict, p: Params) -> list[tuple]:
                 "undetermined yet, likely over the threshold: ",
                 f": if it holds, {fix}" if fix else "",
             )
+        elif level == "undetermined" and check == "truncation" and est.get("outlived", (0.0,))[0] > thr:
+            share, p90 = est["outlived"]  # more of the run than the threshold is still running past the bulk
+            level, verdict, advice = "warn", (
+                f"undetermined yet, a long tail is forming ({share:.0%} of the started requests are still running "
+                f"past {p90:.0f} tokens, longer than 90% of the finished ones): "
+            ), f": if the tail reaches the limit, {fix}"
         elif level == "undetermined":
             verdict, advice = "undetermined yet: ", ""
         model = est.get("point_model", "")
@@ -295,7 +301,7 @@ def answer(report) -> str:
                 f"{corpus['projected']:,.0f} projected (95% interval {corpus['lo']:,.0f}-{corpus['hi']:,.0f}), "
                 f"{int(running.in_flight.sum()):,} responses in flight")  # fmt: skip
     trunc = v[(v.check == "truncation") & (v.level == "warn")]
-    likely = trunc.message.str.startswith("undetermined yet, likely over")
+    likely = trunc.message.str.startswith("undetermined yet, ")
     trunc, likely = trunc[~likely], trunc[likely]
     undecided = v[(v.check == "truncation") & (v.level == "undetermined")]
     thr = f"{report.params.max_limit_share:.0%}"
@@ -313,8 +319,8 @@ def answer(report) -> str:
         return ", ".join(f"B/{d} (estimate {pt:.0%}, {lo:.0%}-{hi:.0%})" for d, (pt, lo, hi) in est.items())
 
     if len(likely):
-        parts.append(f"truncation likely over {thr}, undetermined yet, for {listed(likely)}: if it holds, "
-                     "raise max_new_tokens (cheaper now than after the run)")  # fmt: skip
+        parts.append(f"truncation undetermined yet but likely over {thr} or with a long tail forming, for "
+                     f"{listed(likely)}: consider raising max_new_tokens now (cheaper than after the run)")  # fmt: skip
     if len(undecided):
         parts.append(f"truncation undetermined yet for {listed(undecided)}")
     if not len(trunc) and not len(likely) and not len(undecided):
