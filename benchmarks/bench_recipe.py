@@ -61,6 +61,10 @@ VARIANTS = {
     "aux_mlp1536": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536},
     "combo_lr_1.5e-2": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
                         "adam_betas": [0.9, 0.999], "learning_rate": 0.015},
+    "combo_warmup_30": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                        "adam_betas": [0.9, 0.999], "warmup_steps": 30},
+    "combo_k4": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                 "adam_betas": [0.9, 0.999], "ttt_preset": "custom", "ttt_steps": 4, "loss_decay": 1.0},
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
 }
