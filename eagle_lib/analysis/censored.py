@@ -139,9 +139,9 @@ def typical_produced(s: RunState, quantile: float) -> np.ndarray:
     """
     cr = count_rate(s)
     if cr is not None:  # counted: finished requests' rates (short ones finish fast) would overstate it
-        n, t = s.counts()
-        since = np.where(np.isfinite(t), s.as_of - np.nan_to_num(t, nan=0.0), s.as_of - s.in_start)
-        out = np.floor(np.where(np.isfinite(t), n, 0.0) + cr * np.maximum(since, 0.0))
+        rate = np.full(s.in_start.size, cr)
+        fresh = np.floor(cr * np.maximum(s.as_of - s.in_start, 0.0))  # started since the last count
+        out = np.where(np.isfinite(s.counts()[1]), counted(s, rate), fresh)
         return np.minimum(out, max(s.limit - 1, 0))
     low = censor_points(s, quantile)[1]
     dt, out = s.end - s.start, low.copy()
