@@ -117,6 +117,7 @@ def worker_speculators(spec_path: str) -> dict:
     target = AutoModelForCausalLM.from_pretrained(spec["target"]).eval()
     layer = AutoConfig.from_pretrained(spec["target"])
     layer.num_hidden_layers = 1
+    layer.intermediate_size = spec.get("intermediate_size") or layer.intermediate_size  # ours: draft_intermediate_size
     layer._attn_implementation = spec["attention"]
     cfg = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
@@ -327,6 +328,7 @@ def main() -> None:
     spec = {
         "target": str(models.resolve("toy://target")),
         "aux_layers": drafter.config.aux_layers,
+        "intermediate_size": drafter.config.intermediate_size,  # the same draft layer on both sides
         "k": a.k,
         "decay": a.decay,
         "lr": a.lr,
