@@ -231,8 +231,8 @@ class Producer:
             final = self.buf / hb.unit_name(u)
             part = final.with_suffix(".part")
             save_file(tensors, str(part), metadata={"layer_ids": json.dumps(self.cfg["layer_ids"])})
+            size = part.stat().st_size  # before the rename: a consumer may take the unit at once (07's kept store)
             os.replace(part, final)
-            size = final.stat().st_size
             self.ledger.add(u, size)
             self.stats["tokens"] += sum(lengths)
             self.stats["units"] += 1
