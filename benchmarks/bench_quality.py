@@ -237,18 +237,14 @@ def _tau(drafter, target, tokenizer, held, a) -> dict:
     return measure.Meter(target, drafter.config.aux_layers, prompts, a.new_tokens, a.drafts, eos)(drafter)
 
 
-def _served_tau(cfg, export_dir: Path, prompts: list[list[int]], a, log_dir: Path) -> dict:
+def _served_tau(cfg, export_dir: Path, prompts: list, a, log_dir: Path) -> dict:
     """vLLM's tau for one export: a local CPU server with it as the toy target's EAGLE-3 drafter, greedy."""
-    import torch
-
     from eagle_lib import models
-    from eagle_lib.data.evalsets import Prompt
     from eagle_lib.engines.vllm_server import start_vllm
     from eagle_lib.serving import online
 
     spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": a.drafts}
-    max_len = max(len(x) for x in prompts) + a.new_tokens + 2 * a.drafts + 8
-    ps = [Prompt(f"p{i}", "heldout", ids) for i, ids in enumerate(prompts)]
+    max_len = max(len(p.prompt_ids) for p in prompts) + a.new_tokens + 2 * a.drafts + 8
     with start_vllm(
         models.resolve(cfg.shared.target),
         extra_args=["--speculative-config", json.dumps(spec)],
@@ -256,16 +252,23 @@ def _served_tau(cfg, export_dir: Path, prompts: list[list[int]], a, log_dir: Pat
         max_model_len=max_len,
         log_dir=log_dir,
     ) as srv:
-        res = online.online_vllm(srv.base_url, srv.model, {"heldout": ps}, a.new_tokens, a.drafts)["heldout"]
-    target = models.load_target(cfg.shared, device="cpu")
-    same = 0
-    for pr in ps:  # the served output against the target's own greedy decoding (lossless serving)
+        return online.online_vllm(srv.base_url, srv.model, {"heldout": prompts}, a.new_tokens, a.drafts)["heldout"]
+
+
+def _lossless(target, prompts: list, served: dict, new_tokens: int) -> dict[str, int]:
+    """Prompts whose served output equals the target's own greedy decoding (up to the shorter: a stop token
+    kept or not), the reference decoded once for every server."""
+    import torch
+
+    same = {side: 0 for side in served}
+    for pr in prompts:
         with torch.no_grad():
-            ref = target.generate(torch.tensor([pr.prompt_ids]), max_new_tokens=a.new_tokens, do_sample=False)
+            ref = target.generate(torch.tensor([pr.prompt_ids]), max_new_tokens=new_tokens, do_sample=False)
         ref_ids = ref[0, len(pr.prompt_ids) :].tolist()
-        got = res["outputs"][pr.id]
-        same += got[: len(ref_ids)] == ref_ids[: len(got)]  # equal up to the shorter (a stop token kept or not)
-    return {**res, "same": same, "n": len(ps)}
+        for side, res in served.items():
+            got = res["outputs"][pr.id]
+            same[side] += got[: len(ref_ids)] == ref_ids[: len(got)]
+    return same
 
 
 def main() -> None:
@@ -367,9 +370,14 @@ def main() -> None:
     served = {}
     if a.vllm:
         exports = {"ours": work / "drafter" / "export" / "speculators", "speculators": work / "speculators"}
-        prompts = measure.prompts_of(held, a.prompts, 1024)
+        from eagle_lib.data.evalsets import Prompt
+
+        ids = measure.prompts_of(held, a.prompts, 1024)
+        prompts = [Prompt(f"p{i}", "heldout", x) for i, x in enumerate(ids)]
         for side, d in exports.items():
             served[side] = _served_tau(cfg, d, prompts, a, work / f"vllm-{side}")
+        for side, same in _lossless(target, prompts, served, a.new_tokens).items():
+            served[side] |= {"same": same, "n": len(prompts)}
     if not a.keep:
         shutil.rmtree(work)
     print(

@@ -301,8 +301,9 @@ def answer(report) -> str:
                 f"{corpus['projected']:,.0f} projected (95% interval {corpus['lo']:,.0f}-{corpus['hi']:,.0f}), "
                 f"{int(running.in_flight.sum()):,} responses in flight")  # fmt: skip
     trunc = v[(v.check == "truncation") & (v.level == "warn")]
-    likely = trunc.message.str.startswith("undetermined yet, ")
-    trunc, likely = trunc[~likely], trunc[likely]
+    open_ = [d in report.estimates and report.estimates[d]["share_at_limit"][1] <= report.params.max_limit_share
+             for d in trunc.dataset]  # warned while the interval still reaches under the threshold  # fmt: skip
+    trunc, likely = trunc[[not o for o in open_]], trunc[open_]
     undecided = v[(v.check == "truncation") & (v.level == "undetermined")]
     thr = f"{report.params.max_limit_share:.0%}"
     parts = [head]
