@@ -51,6 +51,9 @@ VARIANTS = {
     "wd_0.01": {"weight_decay": 0.01},
     "aux_136": {"aux_layers": [1, 3, 6]},  # the high feature from layer L-2 instead of EAGLE-3's L-4
     "aux_146": {"aux_layers": [1, 4, 6]},
+    "aux_137": {"aux_layers": [1, 3, 7]},  # the high feature from the last layer (L-1, before the final norm)
+    "combo_137": {"aux_layers": [1, 3, 7], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                  "adam_betas": [0.9, 0.999]},
     "mlp_768": {"draft_intermediate_size": 768},  # 2x the toy target's 384
     "mlp_1536": {"draft_intermediate_size": 1536},
     "combo_aux_mlp_clip_betas": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,

@@ -145,6 +145,15 @@ def check_aux_layers(fmt: str, cfg: dict, n_layers: int, trained: list[int] | No
         "repeated layer once and its fc then reads a narrower feature)"
     )
     _check(out, "aux layers", ok, good, bad)
+    if fmt == "sglang" and ok:
+        # SGLang takes the input of decoder layer id + 1 (hidden + residual) as layer id's output, inside its
+        # loop over the layers: the last layer's output (id L-1) is never captured and fc gets 2 features
+        bad = (
+            f"{ours} holds the last decoder layer ({n_layers - 1}): SGLang captures a layer's output as the "
+            "next layer's input and never captures the last one (fc would read 2 features); vLLM can "
+            "serve it (the speculators export)"
+        )
+        _check(out, "aux layers (SGLang)", n_layers - 1 not in ours, "none is the last decoder layer", bad)
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     if fmt == "sglang" and nested and top is None:

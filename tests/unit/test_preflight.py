@@ -116,6 +116,25 @@ def test_aux_layers_beyond_target_fail(exports):
     assert "aux layers" in failed(preflight.preflight(d, "t", target_config=TARGET))
 
 
+def test_last_layer_fails_for_sglang_only(exports):
+    """SGLang's llama.py captures the input of layer id + 1 inside its layer loop: id L-1 is never captured,
+    while vLLM captures after every layer (the speculators export serves it)."""
+    last = TARGET["num_hidden_layers"] - 1
+    edit_config(
+        exports["sglang"],
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, last], "use_aux_hidden_state": True},
+        eagle_aux_hidden_state_layer_ids=[2, 5, last + 1],
+    )
+    edit_config(exports["speculators"], eagle_aux_hidden_state_layer_ids=[2, 5, last + 1])
+    bad = {
+        fmt: failed(preflight.preflight(exports[fmt], "t", target_config=TARGET, trained_aux=[1, 4, last]))
+        for fmt in ("sglang", "speculators")
+    }
+    assert list(bad["sglang"]) == ["aux layers (SGLang)"], bad["sglang"]
+    assert f"the last decoder layer ({last})" in bad["sglang"]["aux layers (SGLang)"]
+    assert bad["speculators"] == {}
+
+
 def test_sglang_ids_without_vllm_ids_warn(exports):
     d = exports["sglang"]
     edit_config(d, eagle_aux_hidden_state_layer_ids=None)
