@@ -56,18 +56,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(model).__name__}: no ModuleList of {n} decoder layers found")
 
 
-class OnlineHidden:
-    """Aux features and logits from an HF causal LM, capturing only the aux layers via hooks."""
+class LayerCapture:
+    """The outputs of the aux decoder layers during one forward: ``with capture: model(...)``, then `take`.
+
+    Hooks read each layer's own output, so the last layer (id L-1) comes before the final norm, as vLLM captures
+    it; HF ``hidden_states[L]`` is after the norm and would hand a drafter trained here other features. The hooks
+    live only inside the ``with``: several runners on one target never pile hooks onto it.
+    """
 
     def __init__(self, model: nn.Module, aux_layers: list[int]):
-        self.model = model
-        layers = decoder_layers(model)
-        bad = [i for i in aux_layers if not 0 <= i < len(layers)]
+        self.layers = decoder_layers(model)
+        bad = [i for i in aux_layers if not 0 <= i < len(self.layers)]
         if bad:
-            raise ValueError(f"aux layers {bad} outside the target's {len(layers)} decoder layers")
+            raise ValueError(f"aux layers {bad} outside the target's {len(self.layers)} decoder layers")
         self.aux_layers = list(aux_layers)
         self._captured: dict[int, torch.Tensor] = {}
-        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.aux_layers]
+        self._handles: list = []
 
     def _hook(self, i: int):
         def fn(_mod, _inp, out):
@@ -75,20 +79,42 @@ class OnlineHidden:
 
         return fn
 
+    def __enter__(self) -> LayerCapture:
+        self._captured.clear()
+        self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.aux_layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def take(self) -> torch.Tensor:
+        """The concatenated aux features (B, T, 3H_t) of the forward inside the last ``with``."""
+        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
+        self._captured.clear()
+        return aux
+
+
+class OnlineHidden:
+    """Aux features and logits from an HF causal LM, capturing only the aux layers via hooks."""
+
+    def __init__(self, model: nn.Module, aux_layers: list[int]):
+        self.model = model
+        self.capture = LayerCapture(model, aux_layers)
+        self.aux_layers = self.capture.aux_layers
+
     @torch.no_grad()
     def __call__(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         dev = next(self.model.parameters()).device
-        self._captured.clear()
-        out = self.model(
-            input_ids=batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), use_cache=False
-        )
-        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)  # (B, T, 3H_t)
-        self._captured.clear()
-        return aux, out.logits
+        with self.capture:
+            out = self.model(
+                input_ids=batch.input_ids.to(dev), position_ids=batch.position_ids.to(dev), use_cache=False
+            )
+        return self.capture.take(), out.logits  # (B, T, 3H_t), (B, T, V)
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
+        """The sources' common interface: nothing to release, no hook stays on the model between calls."""
 
 
 class TargetHead(nn.Module):

@@ -56,11 +56,6 @@ class Generation:
     total_s: float = 0.0
 
 
-def aux_features(hidden_states: tuple[torch.Tensor, ...], aux_layers: list[int]) -> torch.Tensor:
-    """Concatenated outputs of decoder layers ``aux_layers`` (0-based): HF hidden_states[a + 1]. (B, T, 3H)."""
-    return torch.cat([hidden_states[i] for i in models.layer_ids(aux_layers, "hf")], dim=-1)
-
-
 def _crop(cache, keep: int) -> None:
     """Keep the first `keep` positions of an HF cache.
 
@@ -78,8 +73,12 @@ class TargetRunner:
     """The target with a KV cache: prefill, verify a block, crop after a rejection."""
 
     def __init__(self, model, aux_layers: list[int] | None = None):
+        from eagle_lib.drafter.hidden import LayerCapture
+
         self.model = model
         self.aux_layers = aux_layers  # None: no features needed (proposers without a drafter)
+        # hooks, as 05 captures: HF hidden_states[L] is the last layer after the final norm, 05 trains on it before
+        self.capture = LayerCapture(model, aux_layers) if aux_layers is not None else None
         self.device = next(model.parameters()).device
         self.cache = None
         # transformers renamed the cache argument (past_key_values -> cache); use what this version takes
@@ -91,9 +90,11 @@ class TargetRunner:
     def _forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = torch.tensor([ids], device=self.device)
         kw = {self._cache_kw: self.cache}
-        out = self.model(input_ids=x, use_cache=True, output_hidden_states=self.aux_layers is not None, **kw)
-        feats = aux_features(out.hidden_states, self.aux_layers)[0] if self.aux_layers is not None else None
-        return out.logits[0], feats  # (T, V), (T, 3H) | None
+        if self.capture is None:
+            return self.model(input_ids=x, use_cache=True, **kw).logits[0], None
+        with self.capture:
+            out = self.model(input_ids=x, use_cache=True, **kw)
+        return out.logits[0], self.capture.take()[0]  # (T, V), (T, 3H)
 
     def prefill(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Read the prompt from scratch: (logits (V,) of the next token, features (T, 3H) of the prompt)."""

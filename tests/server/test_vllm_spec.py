@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from eagle_lib import acceptance
+from eagle_lib import acceptance, models
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.serving import export, live, online, specdec
 from eagle_lib.serving.sampling import Sampler
@@ -45,7 +45,8 @@ SAMPLED_SEEDS, ONLINE_SEEDS, NEW_SAMPLED, Z_MAX = 8, 4, 48, 4.0
 def target_features(target, ids: list[int], aux: list[int]):
     with torch.no_grad():
         out = target(torch.tensor([ids]), output_hidden_states=True)
-    return specdec.aux_features(out.hidden_states, aux)[0], out.logits[0].argmax(-1)  # (T, 3H), (T,)
+    feats = torch.cat([out.hidden_states[i] for i in models.layer_ids(aux, "hf")], dim=-1)[0]  # aux < L-1 here
+    return feats, out.logits[0].argmax(-1)  # (T, 3H), (T,)
 
 
 def distill(drafter, target, prompts: list[list[int]], seqs: list[list[int]], steps: int = 300) -> None:

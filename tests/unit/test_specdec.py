@@ -563,3 +563,26 @@ def test_sampled_requests_carry_the_target_sampling(server):
     StandIn.bodies.clear()
     online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8)
     assert all(b["temperature"] == 0.0 and "top_p" not in b for b in StandIn.bodies)
+
+
+def test_runner_features_are_layer_outputs_before_the_final_norm(target):
+    """The decoder reads the aux layers as 05 trains on them. For layers < L-1 that is HF hidden_states[a + 1];
+    for the last layer (L-1) it is the layer's raw output, whose final norm is HF hidden_states[L]: reading
+    hidden_states[L] itself (the old path) gave a drafter trained on the raw output other features."""
+    last = target.config.num_hidden_layers - 1
+    aux = [1, 3, last]
+    ids = PROMPTS[0] + PROMPTS[1]
+    with torch.no_grad():
+        ref = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    hooks = [len(layer._forward_hooks) for layer in target.model.layers]  # transformers keeps its own
+    runner = TargetRunner(target, aux)
+    _, f_pre = runner.prefill(ids[:5])
+    _, f_ver = runner.verify(ids[5:])  # through the KV cache
+    feats = torch.cat([f_pre, f_ver])
+    h = target.config.hidden_size
+    for j, a in enumerate(aux[:2]):
+        torch.testing.assert_close(feats[:, j * h : (j + 1) * h], ref[a + 1][0])
+    raw = feats[:, 2 * h :]
+    torch.testing.assert_close(target.model.norm(raw), ref[last + 1][0])
+    assert (raw - ref[last + 1][0]).abs().max() > 0.1  # the normed state is not what 05 trains on
+    assert [len(layer._forward_hooks) for layer in target.model.layers] == hooks  # none of ours left behind
