@@ -70,6 +70,8 @@ VARIANTS = {
                  "adam_betas": [0.9, 0.999], "ttt_preset": "custom", "ttt_steps": 4, "loss_decay": 1.0},
     "combo_t0.1": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
                    "adam_betas": [0.9, 0.999], "target_temperature": 0.1},
+    "combo_t0.1_mlp3072": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 3072, "grad_clip": 2.0,
+                           "adam_betas": [0.9, 0.999], "target_temperature": 0.1},
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
 }

@@ -92,6 +92,20 @@ def gap_table(summary: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("draft_position") if rows else pd.DataFrame()
 
 
+def confidence_table(summary: dict) -> pd.DataFrame:
+    """The first draft's held-out labels and misses per bin of the target's own top-1 probability there."""
+    rows = (summary.get("heldout") or {}).get("by_target_confidence") or []
+    return pd.DataFrame(rows).set_index("target_p_top1") if rows else pd.DataFrame()
+
+
+def hesitant_miss_share(summary: dict, below: float = 0.5) -> float | None:
+    """Share of the first draft's held-out misses where the target's top-1 probability is under ``below``."""
+    rows = (summary.get("heldout") or {}).get("by_target_confidence") or []
+    hi = [float(r["target_p_top1"].split(",")[1].strip(" )]")) for r in rows]
+    got = [r["miss_share"] for r, h in zip(rows, hi, strict=True) if h <= below and r["labels"]]
+    return sum(got) if rows else None
+
+
 def export_table(summary: dict) -> pd.DataFrame:
     """The exports `eagle_lib.train.run` wrote (drafter/export/{sglang,speculators}): format, path, files."""
     return pd.DataFrame(
@@ -158,9 +172,17 @@ def answer_text(summary: dict) -> str:
         )
     else:
         tau = f"tau not measured during training ({m.get('skipped', 'measure_every: 0')}; 06 measures it)"
+    hes = hesitant_miss_share(summary)
+    why = (
+        f" {hes:.0%} of the first draft's held-out misses are where the target itself puts under 0.5 on its "
+        "top token (the draft must match its near-tie order there)."
+        if hes is not None and hes == hes
+        else ""
+    )
     return (
         f"Held-out acc_0 {acc0:.2f} (teacher-forced; majority-token baseline "
-        f"{summary['vocab']['majority_share']:.2f}), {tau}, draft vocab coverage {summary['vocab']['coverage']:.3f}."
+        f"{summary['vocab']['majority_share']:.2f}), {tau}, draft vocab coverage "
+        f"{summary['vocab']['coverage']:.3f}.{why}"
     )
 
 
@@ -190,4 +212,5 @@ def headline(summary: dict) -> dict:
         "measured_tau": (summary.get("measured") or {}).get("final_tau"),
         "measured_best_tau": (summary.get("measured") or {}).get("best_tau"),
         "measured_elapsed_s": (summary.get("measured") or {}).get("elapsed_s"),
+        "heldout_miss_share_target_p_below_0.5": hesitant_miss_share(summary),
     }

@@ -33,6 +33,9 @@ PRESETS = {"eagle": (7, 0.8), "specforge": (7, 0.8), "speculators": (3, 1.0), "m
 # columns of the per-step stats tensor (sums, so micro-batches and ranks add up)
 LOSS_SUM, N_LOSS, N_CORRECT, N_LABELS, COND_NUM, COND_DEN = range(6)
 N_STATS = 6
+# bins of the target's own top-1 probability at a label (held-out breakdown of the first draft's misses):
+# a miss where the target itself hesitates needs its exact near-tie order, one where it is sure does not
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9, 0.99)
 
 
 def resolve_preset(preset: str, steps: int, decay: float) -> tuple[int, float]:
@@ -116,6 +119,8 @@ class TTT(nn.Module):
         self.drafter, self.steps, self.decay, self.feed = drafter, steps, decay, feed
         self.temperature = target_temperature
         self.attention = ATTENTION[attention]
+        # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
+        self.confidence: torch.Tensor | None = None
 
     def forward(self, input_ids, position_ids, doc_ids, loss_mask, aux, target_logits):
         """Returns (weighted loss, stats (k, N_STATS) of sums). aux (B,T,3H_t), target_logits (B,T,V)."""
@@ -165,9 +170,38 @@ class TTT(nn.Module):
                 correct[labels] = drafted == tgt_arg
                 den = (labels & prefix).sum()
                 prefix = prefix & labels & correct
+                if i == 0 and self.confidence is not None:
+                    self._add_confidence(target_logits[:, 1:][at], correct[labels])
                 row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]
                 stats.append(torch.stack([x.float() for x in row]))
         return total, torch.stack(stats)
+
+
+    def _add_confidence(self, tgt_logits: torch.Tensor, correct: torch.Tensor) -> None:
+        """Add the first draft's labels and hits per bin of the target's top-1 probability (its own, T=1)."""
+        p1 = at_least_fp32(tgt_logits).softmax(-1).amax(-1)  # (n,)
+        edges = torch.tensor(CONFIDENCE_EDGES, dtype=p1.dtype, device=p1.device)
+        b = torch.bucketize(p1, edges, right=True)
+        n = len(CONFIDENCE_EDGES) + 1
+        self.confidence[0] += torch.bincount(b, minlength=n).to(self.confidence)
+        self.confidence[1] += torch.bincount(b, weights=correct.to(p1.dtype), minlength=n).to(self.confidence)
+
+
+def confidence_table(counts: torch.Tensor) -> list[dict]:
+    """Rows per bin of the target's top-1 probability: labels, their share, acc_0, and the share of all misses."""
+    labels, hits = (x.double().cpu().tolist() for x in counts)
+    misses = sum(labels) - sum(hits)
+    lows, highs = (0.0, *CONFIDENCE_EDGES), (*CONFIDENCE_EDGES, 1.0)
+    return [
+        {
+            "target_p_top1": f"[{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'}",
+            "labels": int(n),
+            "share": n / sum(labels) if sum(labels) else float("nan"),
+            "acc_0": h / n if n else float("nan"),
+            "miss_share": (n - h) / misses if misses else float("nan"),
+        }
+        for lo, hi, n, h in zip(lows, highs, labels, hits, strict=True)
+    ]
 
 
 def summarize(stats: torch.Tensor) -> dict:
@@ -218,18 +252,27 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
 
     if not seqs:
         return {}
+    from eagle_lib.drafter import distributed
+
     rows = batches.pack([len(s.input_ids) for s in seqs], pack_len)
     total = None
     model.eval()
-    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-        for i in range(0, len(rows), rows_per_batch):
-            batch = batches.make_batch(seqs, rows[i : i + rows_per_batch], batches.PAD_TO)
-            aux, tlogits = source(batch)
-            x = [t.to(device) for t in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)]
-            _, stats = model(*x, aux, tlogits)
-            total = stats if total is None else total + stats
-    model.train()
-    return summarize(total)
+    inner = distributed.unwrap(model)
+    inner.confidence = torch.zeros(2, len(CONFIDENCE_EDGES) + 1, dtype=torch.float64, device=device)
+    try:
+        with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+            for i in range(0, len(rows), rows_per_batch):
+                batch = batches.make_batch(seqs, rows[i : i + rows_per_batch], batches.PAD_TO)
+                aux, tlogits = source(batch)
+                x = [t.to(device) for t in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)]
+                _, stats = model(*x, aux, tlogits)
+                total = stats if total is None else total + stats
+        out = summarize(total)
+        out["by_target_confidence"] = confidence_table(inner.confidence)
+    finally:
+        inner.confidence = None
+        model.train()
+    return out
 
 
 def run_summary(history, heldout, vinfo, tally, k, decay, total, world) -> dict:

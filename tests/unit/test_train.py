@@ -109,6 +109,35 @@ def test_ttt_loss_equals_inference_chain_reference(case):
 
 
 @torch.no_grad()
+def test_confidence_bins_count_first_draft_hits_by_the_targets_top1_probability():
+    """Per bin of the target's own top-1 probability at the predicted position: labels and first-draft hits,
+    against the served drafter's first draft at every prefix (`inference_chain`) binned by a plain loop."""
+    m, t_len = drafter(n=20), 30
+    ids, pos, doc, aux, tl = inputs(t_len, seed=3)
+    tl[0, ::3] *= 4  # some sure positions beside the hesitant ones
+    mask = torch.ones(1, t_len, dtype=torch.bool)
+    mask[0, :4] = False  # a prompt: no label there
+    model = ttt.TTT(m, 2, 1.0)
+    model.confidence = torch.zeros(2, len(ttt.CONFIDENCE_EDGES) + 1, dtype=torch.float64)
+    model(ids, pos, doc, mask, aux, tl)
+    edges = [0.0, *ttt.CONFIDENCE_EDGES, 1.01]
+    want = torch.zeros_like(model.confidence)
+    for t in range(t_len - 2):
+        if not mask[0, t + 2]:
+            continue
+        p1 = float(F.softmax(tl[0, t + 1], -1).max())
+        b = next(j for j in range(len(edges) - 1) if edges[j] <= p1 < edges[j + 1])
+        draft = m.draft_to_target(inference_chain(m, ids, aux, t, 1)[0].argmax())
+        want[0, b] += 1
+        want[1, b] += float(draft == tl[0, t + 1].argmax())
+    assert torch.equal(model.confidence, want)
+    assert want[0].sum() == t_len - 4 and (want[0] > 0).sum() >= 3  # labels at t + 2 >= 4, in several bins
+    rows = ttt.confidence_table(want)
+    assert [r["labels"] for r in rows] == want[0].tolist()
+    assert sum(r["miss_share"] for r in rows if r["labels"]) == pytest.approx(1.0)
+
+
+@torch.no_grad()
 def test_drafted_unroll_equals_label_unroll_when_the_draft_is_the_label():
     """Self-fed = teacher-forced exactly when the draft equals the data's next token: k=2 with labels at 2
     and 3 only (step 0 trains rows 0 and 1, step 1 row 0); x_2 is set to row 0's own greedy draft, then
@@ -313,3 +342,13 @@ def test_padding_rows_changes_nothing():
     b = model(padded.input_ids, padded.position_ids, padded.doc_ids, padded.loss_mask, aux, tl.double())
     torch.testing.assert_close(a[0], b[0])
     torch.testing.assert_close(a[1], b[1])
+
+
+def test_hesitant_miss_share_reads_the_bins_under_one_half():
+    from eagle_lib.drafter import figures
+
+    counts = torch.tensor([[200.0, 30, 20, 40, 190, 500], [128, 22, 16, 32, 178, 490]])
+    summary = {"heldout": {"by_target_confidence": ttt.confidence_table(counts)}}
+    misses = [72, 8, 4, 8, 12, 10]  # labels - hits per bin
+    assert figures.hesitant_miss_share(summary) == pytest.approx((72 + 8) / sum(misses))
+    assert figures.hesitant_miss_share({"heldout": {}}) is None
