@@ -15,6 +15,7 @@ Two processes on different variants can share a machine; wall times then include
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -74,7 +75,51 @@ VARIANTS = {
                            "adam_betas": [0.9, 0.999], "target_temperature": 0.1},
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
+    # keys starting with _ are the benchmark's, not 05's: _ema_decay trains as 05 does and swaps an exponential
+    # moving average of the weights (updated after every optimizer step) into final/ (a measured prototype: 05
+    # has no such param, since it did not raise tau)
+    "combo_ema_0.99": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                       "adam_betas": [0.9, 0.999], "_ema_decay": 0.99},
 }
+
+
+@contextlib.contextmanager
+def ema_weights(decay: float):
+    """While active, 05's loop keeps an EMA of the trainable weights and leaves it in the model at the end
+    (so the held-out table, final/ and the exports are the EMA's); measurements during training see the raw
+    weights. decay 0: nothing changes."""
+    import torch
+
+    from eagle_lib.drafter import trainer
+
+    if not decay:
+        yield
+        return
+    loop = trainer._loop
+
+    def with_ema(cfg, model, opt, *args, **kw):
+        params = [q for q in model.parameters() if q.requires_grad]
+        ema = [q.detach().clone() for q in params]
+        step = opt.step
+
+        def step_and_average(*a, **k):
+            out = step(*a, **k)
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, [q.detach() for q in params], 1 - decay)
+            return out
+
+        opt.step = step_and_average
+        history = loop(cfg, model, opt, *args, **kw)
+        with torch.no_grad():
+            for q, e in zip(params, ema, strict=True):
+                q.copy_(e)
+        return history
+
+    trainer._loop = with_ema
+    try:
+        yield
+    finally:
+        trainer._loop = loop
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -102,6 +147,7 @@ def stage_config(run_dir: Path, work: Path, steps: int, over: dict, measure_ever
     raw = yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())
     stage = dict(raw["stages"]["05_train_eagle3"])
     factor = over.pop("_steps_factor", 1.0)
+    over.pop("_ema_decay", None)
     stage.update(max_steps=max(1, round(steps * factor)), measure_every=measure_every, resume=False)
     stage.update(checkpoint_every=10**6, num_threads=1, **over)
     work.mkdir(parents=True, exist_ok=True)
@@ -153,7 +199,8 @@ def main() -> None:
         work = Path(tempfile.mkdtemp(prefix=f"recipe_{name}_", dir=out.parent))
         cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every)
         t0 = time.perf_counter()
-        summary = train.run(cfg)
+        with ema_weights(over.get("_ema_decay", 0.0)):
+            summary = train.run(cfg)
         train_s = time.perf_counter() - t0
         drafter = load_drafter(work / "drafter" / "final")
         t1 = time.perf_counter()
