@@ -139,7 +139,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, over
 
 
-def stage_config(run_dir: Path, work: Path, steps: int, over: dict, measure_every: int):
+def stage_config(run_dir: Path, work: Path, steps: int, over: dict, measure_every: int, seed: int | None = None):
     import yaml
 
     from eagle_lib import params, train
@@ -155,7 +155,10 @@ def stage_config(run_dir: Path, work: Path, steps: int, over: dict, measure_ever
         if not (work / d).exists():
             (work / d).symlink_to((run_dir / d).resolve())
     return params.StageConfig(
-        "05_train_eagle3", work, params.SharedParams(**raw["shared"]), train.Params(**stage)
+        "05_train_eagle3",
+        work,
+        params.SharedParams(**dict(raw["shared"], **({} if seed is None else {"seed": seed}))),
+        train.Params(**stage),
     )
 
 
@@ -170,6 +173,7 @@ def main() -> None:
     ap.add_argument("--measure-every", type=int, default=50, help="measured tau while training; 0: never")
     ap.add_argument("--out", default="/tmp/bench_recipe/results.jsonl")
     ap.add_argument("--keep", action="store_true", help="keep each variant's work directory")
+    ap.add_argument("--seed", type=int, default=None, help="shared seed (init, data order); default toy.yaml's")
     a = ap.parse_args()
     run_dir = Path(a.run_dir)
     if not list(run_dir.glob("infer/*/responses.jsonl")):
@@ -197,7 +201,7 @@ def main() -> None:
     )
     for name, over in specs:
         work = Path(tempfile.mkdtemp(prefix=f"recipe_{name}_", dir=out.parent))
-        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every)
+        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every, a.seed)
         t0 = time.perf_counter()
         with ema_weights(over.get("_ema_decay", 0.0)):
             summary = train.run(cfg)
@@ -212,11 +216,13 @@ def main() -> None:
             "variant": name,
             "overrides": over,
             "steps": cfg.stage.max_steps,
+            "seed": cfg.shared.seed,
             "tau": tau,
             "heldout_acc": summary["heldout"]["acc"],
             "measured_curve": curve,
             "train_s": train_s,
             "decode_s": time.perf_counter() - t1,
+            "draft_cost_ratio": decoder.cost_ratio,  # s per drafter forward / s per target verify (CPU)
             "prompts": len(prompts),
         }
         with out.open("a") as f:
@@ -224,7 +230,7 @@ def main() -> None:
         acc = [round(x, 3) for x in row["heldout_acc"]]
         print(
             f"{name:24s} steps {row['steps']:4d}  tau {tau:.3f}  heldout acc {acc}  measured {curve}  "
-            f"05 {train_s:.0f} s",
+            f"05 {train_s:.0f} s  draft/target step cost {decoder.cost_ratio:.2f}",
             flush=True,
         )
         if not a.keep:

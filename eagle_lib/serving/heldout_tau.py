@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from eagle_lib.data import evalsets
-from eagle_lib.serving import specdec
+from eagle_lib.serving import specdec, tables
 from eagle_lib.serving.specdec import Prompt
 
 
@@ -61,12 +61,14 @@ class Decoder:
         self.sums = Sums(
             [], [p.dataset for p in prompts], np.zeros((0, len(prompts))), np.zeros((0, len(prompts)))
         )
+        self.cost_ratio = float("nan")  # the last decode's seconds per drafter forward / per target verify
 
     @torch.no_grad()
     def decode(self, drafter) -> tuple[np.ndarray, np.ndarray]:
         """(num, den) per prompt (P,) for one drafter."""
         runner = specdec.TargetRunner(self.target, drafter.config.aux_layers)
         num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
+        gens = []
         for j, pr in enumerate(self.prompts):
             g = specdec.speculative_generate(
                 runner,
@@ -77,7 +79,10 @@ class Decoder:
                 self.eos_ids,
             )
             num[j], den[j] = sum(a + 1 for a in g.accepted), len(g.accepted)
+            gens.append({"method": "eagle3", **vars(g)})
         runner.cache = None  # free the target's KV cache
+        ratio = tables.cost_ratio(gens)
+        self.cost_ratio = float("nan") if ratio is None else ratio
         return num, den
 
     def add(self, name: str, drafter, cached: tuple[list, list] | None = None) -> tuple[list, list]:
