@@ -75,6 +75,11 @@ VARIANTS = {
                            "adam_betas": [0.9, 0.999], "target_temperature": 0.1},
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
+    "muon": {"optimizer": "muon"},  # Muon on fc and the draft layer's matrices, AdamW on lm_head and norms
+    "combo_muon": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                   "adam_betas": [0.9, 0.999], "optimizer": "muon"},
+    "combo_t0.1_muon": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
+                        "adam_betas": [0.9, 0.999], "target_temperature": 0.1, "optimizer": "muon"},
     # keys starting with _ are the benchmark's, not 05's: _ema_decay trains as 05 does and swaps an exponential
     # moving average of the weights (updated after every optimizer step) into final/ (a measured prototype: 05
     # has no such param, since it did not raise tau)
@@ -97,10 +102,11 @@ def ema_weights(decay: float):
         return
     loop = trainer._loop
 
-    def with_ema(cfg, model, opt, *args, **kw):
+    def with_ema(cfg, model, opts, *args, **kw):
         params = [q for q in model.parameters() if q.requires_grad]
         ema = [q.detach().clone() for q in params]
-        step = opt.step
+        last = opts[-1]  # the average is taken once every optimizer of the step has stepped
+        step = last.step
 
         def step_and_average(*a, **k):
             out = step(*a, **k)
@@ -108,8 +114,8 @@ def ema_weights(decay: float):
                 torch._foreach_lerp_(ema, [q.detach() for q in params], 1 - decay)
             return out
 
-        opt.step = step_and_average
-        history = loop(cfg, model, opt, *args, **kw)
+        last.step = step_and_average
+        history = loop(cfg, model, opts, *args, **kw)
         with torch.no_grad():
             for q, e in zip(params, ema, strict=True):
                 q.copy_(e)

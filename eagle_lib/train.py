@@ -90,6 +90,9 @@ class Params(params.Strict):
     warmup_steps: int = 10  # linear warmup steps
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: list[float] = [0.9, 0.95]  # AdamW betas
+    optimizer: Literal["adamw", "muon"] = (
+        "adamw"  # adamw | muon: torch's Muon on fc and the draft layer's matrices (AdamW-matched lr), AdamW on the rest
+    )
     grad_clip: float = 0.5  # max global grad norm
     grad_accum: int = 1  # micro-batches per optimizer step (per process)
     rows_per_batch: int = 2  # packed rows per micro-batch

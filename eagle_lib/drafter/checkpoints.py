@@ -57,11 +57,12 @@ def join_optimizer(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save(out: Path, model, opt, sched, step: int, fp: str, history: list, config, keep: int):
-    """Write checkpoint ``step`` (a collective under FSDP: call on every rank) and prune old ones."""
+def save(out: Path, model, opts: list, scheds: list, step: int, fp: str, history: list, config, keep: int):
+    """Write checkpoint ``step`` (a collective under FSDP: call on every rank) and prune old ones. ``opts``:
+    the optimizers (one state, keyed by parameter name); ``scheds``: their schedules, which step together."""
     from safetensors.torch import save_file
 
-    model_state, optim_state = distributed.full_state(model, opt)
+    model_state, optim_state = distributed.full_state(model, opts)
     if not distributed.is_main():
         return
     ck = directory(out, fp) / f"step_{step:07d}"
@@ -70,7 +71,7 @@ def save(out: Path, model, opt, sched, step: int, fp: str, history: list, config
     save_state(drafter_state(model_state), config, ck, {"step": step, "fingerprint": fp})
     tensors, meta = split_optimizer(optim_state)
     save_file(tensors, str(ck / OPTIMIZER_FILE))
-    trainer = {"optimizer": meta, "scheduler": sched.state_dict(), "step": step, "fingerprint": fp}
+    trainer = {"optimizer": meta, "scheduler": scheds[0].state_dict(), "step": step, "fingerprint": fp}
     store.write_json(ck / TRAINER_FILE, {**trainer, "history": history})
     (ck / "COMPLETE").write_text(str(step))
     done = complete(out, fp)
@@ -92,8 +93,8 @@ def complete(out: Path, fp: str) -> list[Path]:
     )
 
 
-def resume(out: Path, model, opt, sched, fp: str) -> tuple[int, list]:
-    """Load the newest complete checkpoint into model/opt/sched; returns (step, history), (0, []) if none."""
+def resume(out: Path, model, opts: list, scheds: list, fp: str) -> tuple[int, list]:
+    """Load the newest complete checkpoint into model/opts/scheds; returns (step, history), (0, []) if none."""
     from safetensors.torch import load_file
 
     done = complete(out, fp)
@@ -105,8 +106,9 @@ def resume(out: Path, model, opt, sched, fp: str) -> tuple[int, list]:
         raise ValueError(f"{ck / TRAINER_FILE}: fingerprint {state['fingerprint']} in the directory of {fp}")
     weights = {f"drafter.{k}": v for k, v in load_file(str(ck / WEIGHTS_FILE)).items()}
     optim = join_optimizer(load_file(str(ck / OPTIMIZER_FILE)), state["optimizer"])
-    distributed.load_full_state(model, opt, weights, optim)
-    sched.load_state_dict(state["scheduler"])
+    distributed.load_full_state(model, opts, weights, optim)
+    for s in scheds:
+        s.load_state_dict(state["scheduler"])
     return state["step"], state["history"]
 
 

@@ -94,7 +94,8 @@ def no_sync(model: nn.Module, skip: bool):
 
 
 def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model state, optimizer state), unsharded, on CPU, keyed by parameter name (any world size)."""
+    """(model state, optimizer state), unsharded, on CPU, keyed by parameter name (any world size);
+    ``optimizer``: one or a list (their states merged by parameter name)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

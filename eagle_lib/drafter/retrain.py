@@ -2,7 +2,7 @@
 
 The recipe is read from ``run_dir/drafter/meta.json`` (05's params and shared params, written by 05), so 07
 trains exactly what 05 would on the same sequences: the same hidden source, draft-vocab size, TTT preset,
-AdamW settings, warmup + cosine schedule, gradient clipping, accumulation, packing and data order
+optimizer (`eagle_lib.drafter.optim`), warmup + cosine schedule, gradient clipping, accumulation, packing and data order
 (`batches.BatchStream` with the shared seed), initialisation (``torch.manual_seed(seed)`` then the target's
 embedding and lm_head rows). A single process, no checkpoints: 07 caches the final weights itself. The draft
 vocab is counted on the given sequences (05 counts it on its training data, so a subset gets its own).
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.drafter import batches, ttt, vocab
+from eagle_lib.drafter import batches, optim, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 
 # 05 settings that change the trained weights and that this trainer reproduces; a recipe holding a key in
@@ -30,11 +30,11 @@ HONOURED = {
     "grad_clip", "grad_accum", "rows_per_batch", "pack_len", "max_seq_len", "max_train_samples",
     "init_lm_head_from_target", "precision", "max_bad_steps", "max_eval_samples", "attention", "hidden_dtype",
     "ttt_input", "target_temperature", "norm_before_residual", "norm_before_fc", "norm_output",
-    "draft_intermediate_size",
+    "draft_intermediate_size", "optimizer",
 }  # fmt: skip
 # the recipe settings newer than some runs' 05 meta: a recipe without them trained with these values
 DEFAULTS = {"ttt_input": "label", "target_temperature": 1.0, "norm_before_residual": False, "norm_before_fc": False,
-            "norm_output": False, "draft_intermediate_size": 0}  # fmt: skip
+            "norm_output": False, "draft_intermediate_size": 0, "optimizer": "adamw"}  # fmt: skip
 # 05 settings without effect on a single-process run's weights
 IGNORED = {
     "checkpoint_every", "keep_checkpoints", "resume", "log_every", "stop_after_steps", "nproc_per_node",
@@ -174,12 +174,12 @@ class Trainer:
         model = ttt.TTT(drafter, self.k, self.decay, self.attention, p.get("ttt_input", DEFAULTS["ttt_input"]),
                         p.get("target_temperature", DEFAULTS["target_temperature"]))  # fmt: skip
         trainable = [q for q in model.parameters() if q.requires_grad]
-        opt = torch.optim.AdamW(
-            trainable, lr=p["learning_rate"], betas=tuple(p["adam_betas"]), weight_decay=p["weight_decay"]
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_factor(s, steps, warmup, p["min_lr_ratio"])
-        )
+        kind = p.get("optimizer", DEFAULTS["optimizer"])
+        opts = optim.build(model.named_parameters(), kind, p["learning_rate"], p["adam_betas"], p["weight_decay"])
+        scheds = [
+            torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, steps, warmup, p["min_lr_ratio"]))
+            for o in opts
+        ]
         log, bad = [], 0
         for step in range(steps):
             loss_sum, tokens = 0.0, 0
@@ -196,11 +196,12 @@ class Trainer:
             if bad > p["max_bad_steps"]:
                 raise FloatingPointError(f"retrain: {bad} consecutive steps with non-finite gradients")
             if bad == 0:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+                optim.step(opts)
+            optim.zero_grad(opts)
             with warnings.catch_warnings():  # a skipped step still advances the schedule (as in 05)
                 warnings.simplefilter("ignore", UserWarning)
-                sched.step()
+                for s in scheds:
+                    s.step()
             log.append(
                 {"step": step + 1, "loss": loss_sum / p["grad_accum"], "tokens": tokens, "skipped": bad > 0}
             )

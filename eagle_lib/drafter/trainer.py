@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.drafter import batches, checkpoints, distributed, measure, ttt, vocab
+from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_state
 
 # tqdm.auto (imported by transformers / huggingface_hub while the target loads) warns on stderr in a kernel without
@@ -82,11 +82,11 @@ def _micro_step(model, source, batch, device, autocast: bool, accum: int, sync: 
     return stats.detach()
 
 
-def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, config, meter):
+def _loop(cfg, model, opts, scheds, source, stream, device, k, decay, total, fp, config, meter):
     p, out = cfg.stage, cfg.out("drafter")
     rank, world, _ = distributed.world()
     group = world * p.grad_accum
-    start, history = checkpoints.resume(out, model, opt, sched, fp) if p.resume else (0, [])
+    start, history = checkpoints.resume(out, model, opts, scheds, fp) if p.resume else (0, [])
     log = out / "train_log.jsonl"
     if distributed.is_main():  # the log restarts from the resumed checkpoint's history
         tmp = log.with_suffix(".tmp")
@@ -111,12 +111,13 @@ def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, c
                 f"{cfg.name}: {bad} consecutive steps with non-finite gradients (last {step})"
             )
         if bad == 0:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        lr = sched.get_last_lr()[0]
+            optim.step(opts)
+        optim.zero_grad(opts)
+        lr = scheds[0].get_last_lr()[0]
         with warnings.catch_warnings():  # a skipped step still advances the schedule (it is per step)
             warnings.simplefilter("ignore", UserWarning)
-            sched.step()
+            for s in scheds:
+                s.step()
         stats = distributed.all_reduce_sum(stats)
         tokens = int(distributed.all_reduce_sum(torch.tensor(tokens, device=device)))
         row = ttt.log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
@@ -133,7 +134,7 @@ def _loop(cfg, model, opt, sched, source, stream, device, k, decay, total, fp, c
                     flush=True,
                 )
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == total:
-            checkpoints.save(out, model, opt, sched, step + 1, fp, history, config, p.keep_checkpoints)
+            checkpoints.save(out, model, opts, scheds, step + 1, fp, history, config, p.keep_checkpoints)
     return history
 
 
@@ -195,6 +196,8 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
         torch.set_num_threads(p.num_threads)
     device = distributed.init(models.pick_device(cfg.shared.device))
     k, decay = ttt.resolve_preset(p.ttt_preset, p.ttt_steps, p.loss_decay)
+    if p.optimizer == "muon" and distributed.world()[1] > 1 and p.distributed == "fsdp":
+        raise params.ParamsError(f"{cfg.name}: optimizer muon needs whole matrices; FSDP shards them (use ddp)")
     source, drafter, train_seqs, held, tally, vinfo = build(cfg, device, fp)
     stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
     world = distributed.world()[1]
@@ -203,17 +206,14 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     model = distributed.wrap(
         ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature), p.distributed, device
     )
-    trainable = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(
-        trainable, lr=p.learning_rate, betas=tuple(p.adam_betas), weight_decay=p.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(p, total))
+    opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _schedule(p, total)) for o in opts]
     if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
         shutil.rmtree(checkpoints.directory(out, fp))  # asked to start over: only these settings' checkpoints
     distributed.barrier()
     meter, why_not = measure.meter_for(cfg, source, held)
     history = _loop(
-        cfg, model, opt, sched, source, stream, device, k, decay, total, fp, drafter.config, meter
+        cfg, model, opts, scheds, source, stream, device, k, decay, total, fp, drafter.config, meter
     )
     if len(history) < total:  # stop_after_steps: the next run resumes
         stopped = {"stopped_at_step": len(history), "total_steps": total}

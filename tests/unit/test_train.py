@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from eagle_lib import store, train
 from eagle_lib.drafter import batches, trainer, ttt
@@ -289,6 +290,26 @@ def test_resume_continues_the_same_run(world, tmp_path):
     assert other["steps"] == 6 and len(list((cut_dir / "drafter/checkpoints").iterdir())) == 2
     assert [r["step"] for r in store.read_jsonl(cut_dir / "drafter/train_log.jsonl")] == list(range(1, 7))
     assert (ck[0].parent / "step_0000006" / "COMPLETE").exists()  # other settings start fresh, beside
+
+
+def test_muon_resume_continues_the_same_run(world, tmp_path):
+    """optimizer muon: two optimizers (AdamW + Muon) checkpoint into one name-keyed state and resume exactly."""
+    root, _ = world
+    full_dir, cut_dir = copy_run(world, tmp_path / "full"), copy_run(world, tmp_path / "cut")
+    full = train.run(eagle_tiny.stage_config(full_dir, root / "target", optimizer="muon"))
+    train.run(eagle_tiny.stage_config(cut_dir, root / "target", optimizer="muon", stop_after_steps=3))
+    ck = sorted((cut_dir / "drafter/checkpoints").glob("*/step_*"))[0]
+    keys = set(load_file(str(ck / "optimizer.safetensors")))
+    assert "drafter.midlayer.mlp.down_proj.weight/momentum_buffer" in keys  # Muon's state
+    assert "drafter.lm_head.weight/exp_avg_sq" in keys  # AdamW's
+    assert len(json.loads((ck / "trainer.json").read_text())["optimizer"]["param_groups"]) == 2
+    resumed = train.run(eagle_tiny.stage_config(cut_dir, root / "target", optimizer="muon"))
+    a = store.read_jsonl(full_dir / "drafter/train_log.jsonl")
+    b = store.read_jsonl(cut_dir / "drafter/train_log.jsonl")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    assert resumed["heldout"]["acc"] == pytest.approx(full["heldout"]["acc"])
+    adam = train.run(eagle_tiny.stage_config(copy_run(world, tmp_path / "adam"), root / "target"))
+    assert adam["final_train_loss"] != pytest.approx(full["final_train_loss"], rel=1e-3)  # another optimizer
 
 
 def test_nan_guard_skips_then_aborts(world, tmp_path, monkeypatch):

@@ -45,6 +45,19 @@ def test_retrain_reproduces_stage_05_weights(trained):
     assert [r["loss"] for r in log] == pytest.approx(five, rel=1e-4)  # 05's own log of the same steps
 
 
+def test_retrain_reproduces_stage_05_weights_with_muon(tmp_path):
+    """optimizer muon (two optimizers in 05) is honoured by the retrainer: the same weights."""
+    run = eagle_tiny.make_run(tmp_path)
+    cfg = eagle_tiny.stage_config(run, tmp_path / "target", optimizer="muon")
+    train.run(cfg)
+    recipe, shared = retrain.load_recipe(run)
+    tr = retrain.Trainer(recipe, shared)
+    seqs, _, _ = tr.sequences(run)
+    drafter, _ = tr.train(seqs, retrain.full_steps(tr.p, 0), cfg.stage.warmup_steps)
+    for key, v in load_drafter(run / "drafter" / "final").state_dict().items():
+        torch.testing.assert_close(drafter.state_dict()[key], v, rtol=1e-5, atol=1e-6)
+
+
 def test_lr_schedule_warmup_then_cosine():
     f = [retrain.lr_factor(s, 10, 2, 0.1) for s in range(10)]
     assert (
