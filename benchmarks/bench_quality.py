@@ -3,7 +3,9 @@
 Both train on the same toy run's training sequences (``--run-dir``, stages 01-03 done), in the same micro-batches
 (our `BatchStream`: ``--rows`` packed rows of ``--pack-len`` tokens per step, which speculators reads as one row), with the same hidden states (the toy
 target's aux-layer outputs, computed on each side from the same target weights), the same number of steps and the
-same optimizer and learning-rate schedule (AdamW, linear warmup then cosine to ``lr * min_lr_ratio``, grad clip),
+same learning-rate schedule (linear warmup then cosine to ``lr * min_lr_ratio``, grad clip) and AdamW settings
+(speculators trains with AdamW; our side takes params/toy.yaml's ``optimizer``, Muon for the toy, unless
+``--our-optimizer adamw`` makes it optimizer for optimizer),
 the same draft vocab map (ours, from the label-token counts) and the same initialisation from the target
 (embedding frozen, lm_head from the target's rows of the draft vocab). Each keeps its own TTT loss: ours (soft
 cross-entropy, preset ``--ours-preset``) and speculators' (its default kl_div, ``ttt_step_loss_decay`` 1.0) at
@@ -198,6 +200,8 @@ def _stage_config(run_dir: Path, work: Path, a, preset: str):
         checkpoint_every=10**6,
         num_threads=1,
     )
+    if a.our_optimizer:
+        stage["optimizer"] = a.our_optimizer
     for d in ("data", "infer"):
         if not (work / d).exists():
             (work / d).symlink_to((run_dir / d).resolve())
@@ -296,6 +300,12 @@ def main() -> None:
         "--keep", action="store_true", help="keep the work directory (both drafters, the batches)"
     )
     ap.add_argument("--vllm", action="store_true", help="also serve both exports with vLLM and read its tau")
+    ap.add_argument(
+        "--our-optimizer",
+        default="",
+        choices=["", "adamw", "muon"],
+        help="our side's optimizer: empty takes params/toy.yaml's; adamw compares optimizer for optimizer",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -385,7 +395,8 @@ def main() -> None:
         f"{t_ours['prompts']} held-out prompts x {a.new_tokens} tokens (greedy, offline decoder)"
     )
     print(
-        f"  ours ({a.ours_preset})        tau {t_ours['tau']:.3f}  acc {[round(x, 3) for x in t_ours['acc']]}  "
+        f"  ours ({a.ours_preset}, {cfg.stage.optimizer})  tau {t_ours['tau']:.3f}  "
+        f"acc {[round(x, 3) for x in t_ours['acc']]}  "
         f"train {ours_s:.0f} s (whole stage)"
     )
     print(
@@ -403,6 +414,7 @@ def main() -> None:
             {
                 "steps": a.steps,
                 "k": a.k,
+                "ours_optimizer": cfg.stage.optimizer,
                 "ours_tau": t_ours["tau"],
                 "speculators_tau": t_theirs["tau"],
                 "ratio": ratio,

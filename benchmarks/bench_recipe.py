@@ -4,8 +4,10 @@ Every variant is params/toy.yaml's 05 section plus a few overrides, trained by s
 cached run's stages 01-03 (``--run-dir``, read only: its data/ and infer/ are symlinked into a fresh work
 directory per variant). Each trained drafter is then decoded greedily on 06's held-out prompts (``--per-dataset``
 per dataset, ``--new-tokens`` tokens, ``--drafts`` drafts per verify step; `eagle_lib.serving.heldout_tau`, as 06
-and 07 decode), and one line per variant prints its tau, the per-draft acceptance, the last measured tau logged
-while training and the wall time of its 05. Results are appended as JSON lines to ``--out``.
+and 07 decode), and one line per variant prints its tau, the held-out teacher-forced accuracy per position, the
+tau measured while training, the wall time of its 05 and the drafter/target step-cost ratio of its decode (a wider
+draft MLP costs more per draft). ``--seed`` sets the shared seed (initialisation and data order). Results are
+appended as JSON lines to ``--out``.
 
     nice -n 5 .venv/bin/python benchmarks/bench_recipe.py --steps 200 --variants baseline norm_before_residual
 
