@@ -108,7 +108,7 @@ class Study:
             save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
             how = "trained"
         eval_key = store.stable_hash(
-            {"d": key if reuse_dir is None else str(reuse_dir), "e": self._eval_id(decoder)}
+            {"d": key if reuse_dir is None else reused_id(reuse_dir), "e": self._eval_id(decoder)}
         )
         sums = decoder.add(name, drafter, self.cached_sums.get(eval_key))
         self.cached_sums[eval_key] = sums
@@ -135,6 +135,20 @@ class Study:
 
     def save_sums(self) -> None:
         store.write_json(self.sums_file, self.cached_sums)
+
+
+def reused_id(drafter_dir: Path) -> dict:
+    """What a reused drafter's cached decode is keyed by: its directory and a digest of its weights. The directory
+    alone (05's final/) stays the same when 05 retrains with another recipe, and its old tau was then reused."""
+    import hashlib
+
+    from eagle_lib.drafter.model import WEIGHTS_FILE
+
+    digest = hashlib.sha256()
+    with (Path(drafter_dir) / WEIGHTS_FILE).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return {"dir": str(drafter_dir), "weights": digest.hexdigest()}
 
 
 def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:

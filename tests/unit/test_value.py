@@ -142,3 +142,16 @@ def test_teacher_forced_sums_equal_ttt_chain_tau(trained):
             batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask, *tr.source(batch)
         )
     assert tf.sums.tau("d") == pytest.approx(ttt.summarize(total)["chain_tau"], rel=1e-5)
+
+
+def test_a_reused_drafters_cached_decode_is_keyed_by_its_weights(tmp_path):
+    """07 reuses 05's final/ as the full-data point; after 05 retrains there, the cached tau must not be reused."""
+    from eagle_lib.analysis import value_study
+
+    d = tmp_path / "final"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"weights of one recipe")
+    first = value_study.reused_id(d)
+    assert value_study.reused_id(d) == first  # a rerun on the same weights keeps its cached decode
+    (d / "model.safetensors").write_bytes(b"weights of another recipe")
+    assert value_study.reused_id(d) != first and value_study.reused_id(d)["dir"] == first["dir"]
