@@ -95,15 +95,14 @@ def gap_table(summary: dict) -> pd.DataFrame:
 def confidence_table(summary: dict) -> pd.DataFrame:
     """The first draft's held-out labels and misses per bin of the target's own top-1 probability there."""
     rows = (summary.get("heldout") or {}).get("by_target_confidence") or []
-    return pd.DataFrame(rows).set_index("target_p_top1") if rows else pd.DataFrame()
+    shown = [{k: v for k, v in r.items() if k != "p_top1_below"} for r in rows]
+    return pd.DataFrame(shown).set_index("target_p_top1") if rows else pd.DataFrame()
 
 
 def hesitant_miss_share(summary: dict, below: float = 0.5) -> float | None:
     """Share of the first draft's held-out misses where the target's top-1 probability is under ``below``."""
     rows = (summary.get("heldout") or {}).get("by_target_confidence") or []
-    hi = [float(r["target_p_top1"].split(",")[1].strip(" )]")) for r in rows]
-    got = [r["miss_share"] for r, h in zip(rows, hi, strict=True) if h <= below and r["labels"]]
-    return sum(got) if rows else None
+    return sum(r["miss_share"] for r in rows if r["p_top1_below"] <= below and r["labels"]) if rows else None
 
 
 def export_table(summary: dict) -> pd.DataFrame:

@@ -195,6 +195,7 @@ def confidence_table(counts: torch.Tensor) -> list[dict]:
     return [
         {
             "target_p_top1": f"[{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'}",
+            "p_top1_below": hi,
             "labels": int(n),
             "share": n / sum(labels) if sum(labels) else float("nan"),
             "acc_0": h / n if n else float("nan"),
