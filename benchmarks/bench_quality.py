@@ -119,7 +119,9 @@ def worker_speculators(spec_path: str) -> dict:
     target = AutoModelForCausalLM.from_pretrained(spec["target"]).eval()
     layer = AutoConfig.from_pretrained(spec["target"])
     layer.num_hidden_layers = 1
-    layer.intermediate_size = spec.get("intermediate_size") or layer.intermediate_size  # ours: draft_intermediate_size
+    layer.intermediate_size = (
+        spec.get("intermediate_size") or layer.intermediate_size
+    )  # ours: draft_intermediate_size
     layer._attn_implementation = spec["attention"]
     cfg = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
@@ -256,7 +258,9 @@ def _served_tau(cfg, export_dir: Path, prompts: list, a, log_dir: Path) -> dict:
         max_model_len=max_len,
         log_dir=log_dir,
     ) as srv:
-        return online.online_vllm(srv.base_url, srv.model, {"heldout": prompts}, a.new_tokens, a.drafts)["heldout"]
+        return online.online_vllm(srv.base_url, srv.model, {"heldout": prompts}, a.new_tokens, a.drafts)[
+            "heldout"
+        ]
 
 
 def _lossless(target, prompts: list, served: dict, new_tokens: int) -> dict[str, int]:

@@ -59,38 +59,93 @@ ON_PREVIOUS = {
     "aux_136": {"aux_layers": [1, 3, 6]},  # the high feature from layer L-2 instead of EAGLE-3's L-4
     "aux_146": {"aux_layers": [1, 4, 6]},
     "aux_137": {"aux_layers": [1, 3, 7]},  # the high feature from the last layer (L-1, before the final norm)
-    "combo_137": {"aux_layers": [1, 3, 7], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                  "adam_betas": [0.9, 0.999]},
+    "combo_137": {
+        "aux_layers": [1, 3, 7],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+    },
     "mlp_768": {"draft_intermediate_size": 768},  # 2x the toy target's 384
     "mlp_1536": {"draft_intermediate_size": 1536},
-    "combo_aux_mlp_clip_betas": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                                 "adam_betas": [0.9, 0.999]},  # the small gains measured one by one, together
+    "combo_aux_mlp_clip_betas": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+    },  # the small gains measured one by one, together
     "aux_clip_betas": {"aux_layers": [1, 3, 6], "grad_clip": 2.0, "adam_betas": [0.9, 0.999]},
-    "aux_mlp768_clip_betas": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 768, "grad_clip": 2.0,
-                              "adam_betas": [0.9, 0.999]},
+    "aux_mlp768_clip_betas": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 768,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+    },
     "aux_mlp1536": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536},
-    "combo_lr_1.5e-2": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                        "adam_betas": [0.9, 0.999], "learning_rate": 0.015},
-    "combo_warmup_30": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                        "adam_betas": [0.9, 0.999], "warmup_steps": 30},
-    "combo_k4": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                 "adam_betas": [0.9, 0.999], "ttt_preset": "custom", "ttt_steps": 4, "loss_decay": 1.0},
-    "combo_t0.1": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                   "adam_betas": [0.9, 0.999], "target_temperature": 0.1},
-    "combo_t0.1_mlp3072": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 3072, "grad_clip": 2.0,
-                           "adam_betas": [0.9, 0.999], "target_temperature": 0.1},
+    "combo_lr_1.5e-2": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "learning_rate": 0.015,
+    },
+    "combo_warmup_30": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "warmup_steps": 30,
+    },
+    "combo_k4": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "ttt_preset": "custom",
+        "ttt_steps": 4,
+        "loss_decay": 1.0,
+    },
+    "combo_t0.1": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "target_temperature": 0.1,
+    },
+    "combo_t0.1_mlp3072": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 3072,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "target_temperature": 0.1,
+    },
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
     "muon": {"optimizer": "muon"},  # Muon on fc and the draft layer's matrices, AdamW on lm_head and norms
-    "combo_muon": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                   "adam_betas": [0.9, 0.999], "optimizer": "muon"},
-    "combo_t0.1_muon": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                        "adam_betas": [0.9, 0.999], "target_temperature": 0.1, "optimizer": "muon"},
+    "combo_muon": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "optimizer": "muon",
+    },
+    "combo_t0.1_muon": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "target_temperature": 0.1,
+        "optimizer": "muon",
+    },
     # keys starting with _ are the benchmark's, not 05's: _ema_decay trains as 05 does and swaps an exponential
     # moving average of the weights (updated after every optimizer step) into final/ (a measured prototype: 05
     # has no such param, since it did not raise tau)
-    "combo_ema_0.99": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536, "grad_clip": 2.0,
-                       "adam_betas": [0.9, 0.999], "_ema_decay": 0.99},
+    "combo_ema_0.99": {
+        "aux_layers": [1, 3, 6],
+        "draft_intermediate_size": 1536,
+        "grad_clip": 2.0,
+        "adam_betas": [0.9, 0.999],
+        "_ema_decay": 0.99,
+    },
 }
 # "baseline" is params/toy.yaml itself (since this change: combo_t0.1_muon)
 VARIANTS = {"baseline": {}, **{name: {**PREVIOUS, **over} for name, over in ON_PREVIOUS.items()}}
@@ -153,7 +208,9 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, over
 
 
-def stage_config(run_dir: Path, work: Path, steps: int, over: dict, measure_every: int, seed: int | None = None):
+def stage_config(
+    run_dir: Path, work: Path, steps: int, over: dict, measure_every: int, seed: int | None = None
+):
     import yaml
 
     from eagle_lib import params, train
@@ -187,7 +244,9 @@ def main() -> None:
     ap.add_argument("--measure-every", type=int, default=50, help="measured tau while training; 0: never")
     ap.add_argument("--out", default="/tmp/bench_recipe/results.jsonl")
     ap.add_argument("--keep", action="store_true", help="keep each variant's work directory")
-    ap.add_argument("--seed", type=int, default=None, help="shared seed (init, data order); default toy.yaml's")
+    ap.add_argument(
+        "--seed", type=int, default=None, help="shared seed (init, data order); default toy.yaml's"
+    )
     a = ap.parse_args()
     run_dir = Path(a.run_dir)
     if not list(run_dir.glob("infer/*/responses.jsonl")):

@@ -62,7 +62,9 @@ class Params(params.Strict):
     tensor_parallel_size: int = 1  # vLLM tensor parallel size of each producer
     num_producers: int = 1  # vLLM producers (data parallel), each with its share of max_buffer_gb
     max_buffer_gb: float = 2.0  # bound on unconsumed hidden states (+ in-flight writes) in the buffer
-    keep_hidden_states: bool = False  # keep consumed hidden states per sequence (later runs and 07 reuse them)
+    keep_hidden_states: bool = (
+        False  # keep consumed hidden states per sequence (later runs and 07 reuse them)
+    )
     hidden_dtype: Literal["float32", "bfloat16", "float8_e4m3fn"] = (
         "float32"  # storage dtype of the buffered hidden states (float8: one scale per token and layer)
     )
@@ -77,7 +79,9 @@ class Params(params.Strict):
     ttt_input: Literal["label", "drafted"] = (
         "label"  # input token of unroll steps >= 1: the data's next token | the drafter's own previous draft
     )
-    target_temperature: float = 1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
+    target_temperature: float = (
+        1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
+    )
     # normalisation options of later EAGLE-3 trainers (speculators' names): ours only, not servable (no exports)
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of the raw hidden
     norm_before_fc: bool = False  # an RMSNorm (extra weight input_norm) on the 3H_t features before fc

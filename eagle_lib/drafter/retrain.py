@@ -175,7 +175,9 @@ class Trainer:
                         p.get("target_temperature", DEFAULTS["target_temperature"]))  # fmt: skip
         trainable = [q for q in model.parameters() if q.requires_grad]
         kind = p.get("optimizer", DEFAULTS["optimizer"])
-        opts = optim.build(model.named_parameters(), kind, p["learning_rate"], p["adam_betas"], p["weight_decay"])
+        opts = optim.build(
+            model.named_parameters(), kind, p["learning_rate"], p["adam_betas"], p["weight_decay"]
+        )
         scheds = [
             torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, steps, warmup, p["min_lr_ratio"]))
             for o in opts

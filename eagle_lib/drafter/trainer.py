@@ -197,7 +197,9 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     device = distributed.init(models.pick_device(cfg.shared.device))
     k, decay = ttt.resolve_preset(p.ttt_preset, p.ttt_steps, p.loss_decay)
     if p.optimizer == "muon" and distributed.world()[1] > 1 and p.distributed == "fsdp":
-        raise params.ParamsError(f"{cfg.name}: optimizer muon needs whole matrices; FSDP shards them (use ddp)")
+        raise params.ParamsError(
+            f"{cfg.name}: optimizer muon needs whole matrices; FSDP shards them (use ddp)"
+        )
     source, drafter, train_seqs, held, tally, vinfo = build(cfg, device, fp)
     stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
     world = distributed.world()[1]

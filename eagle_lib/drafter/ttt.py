@@ -176,7 +176,6 @@ class TTT(nn.Module):
                 stats.append(torch.stack([x.float() for x in row]))
         return total, torch.stack(stats)
 
-
     def _add_confidence(self, tgt_logits: torch.Tensor, correct: torch.Tensor) -> None:
         """Add the first draft's labels and hits per bin of the target's top-1 probability (its own, T=1)."""
         p1 = at_least_fp32(tgt_logits).softmax(-1).amax(-1)  # (n,)
@@ -265,7 +264,10 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
             for i in range(0, len(rows), rows_per_batch):
                 batch = batches.make_batch(seqs, rows[i : i + rows_per_batch], batches.PAD_TO)
                 aux, tlogits = source(batch)
-                x = [t.to(device) for t in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)]
+                x = [
+                    t.to(device)
+                    for t in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)
+                ]
                 _, stats = model(*x, aux, tlogits)
                 total = stats if total is None else total + stats
         out = summarize(total)

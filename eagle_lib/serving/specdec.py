@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_lib import models
 from eagle_lib.data.evalsets import Prompt  # noqa: F401  (re-exported: specdec.Prompt)
 from eagle_lib.serving.sampling import Sampler, warp
 

@@ -45,7 +45,9 @@ SAMPLED_SEEDS, ONLINE_SEEDS, NEW_SAMPLED, Z_MAX = 8, 4, 48, 4.0
 def target_features(target, ids: list[int], aux: list[int]):
     with torch.no_grad():
         out = target(torch.tensor([ids]), output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i] for i in models.layer_ids(aux, "hf")], dim=-1)[0]  # aux < L-1 here
+    feats = torch.cat([out.hidden_states[i] for i in models.layer_ids(aux, "hf")], dim=-1)[
+        0
+    ]  # aux < L-1 here
     return feats, out.logits[0].argmax(-1)  # (T, 3H), (T,)
 
 
