@@ -31,6 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # variant below was measured against ("baseline" in the README's earlier rows)
 PREVIOUS = {"optimizer": "adamw", "aux_layers": [], "draft_intermediate_size": 0, "grad_clip": 0.5,
             "adam_betas": [0.9, 0.95], "target_temperature": 0.25}  # fmt: skip
+# the best AdamW settings measured one by one, which the combo_* variants share
+COMBO = {
+    "aux_layers": [1, 3, 6],
+    "draft_intermediate_size": 1536,
+    "grad_clip": 2.0,
+    "adam_betas": [0.9, 0.999],
+}
 # name -> 05 overrides on top of PREVIOUS (on top of params/toy.yaml, which sets the rest)
 ON_PREVIOUS = {
     "previous_default": {},
@@ -60,18 +67,13 @@ ON_PREVIOUS = {
     "aux_146": {"aux_layers": [1, 4, 6]},
     "aux_137": {"aux_layers": [1, 3, 7]},  # the high feature from the last layer (L-1, before the final norm)
     "combo_137": {
+        **COMBO,
         "aux_layers": [1, 3, 7],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
     },
     "mlp_768": {"draft_intermediate_size": 768},  # 2x the toy target's 384
     "mlp_1536": {"draft_intermediate_size": 1536},
     "combo_aux_mlp_clip_betas": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
     },  # the small gains measured one by one, together
     "aux_clip_betas": {"aux_layers": [1, 3, 6], "grad_clip": 2.0, "adam_betas": [0.9, 0.999]},
     "aux_mlp768_clip_betas": {
@@ -82,57 +84,37 @@ ON_PREVIOUS = {
     },
     "aux_mlp1536": {"aux_layers": [1, 3, 6], "draft_intermediate_size": 1536},
     "combo_lr_1.5e-2": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "learning_rate": 0.015,
     },
     "combo_warmup_30": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "warmup_steps": 30,
     },
     "combo_k4": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "ttt_preset": "custom",
         "ttt_steps": 4,
         "loss_decay": 1.0,
     },
     "combo_t0.1": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "target_temperature": 0.1,
     },
     "combo_t0.1_mlp3072": {
-        "aux_layers": [1, 3, 6],
+        **COMBO,
         "draft_intermediate_size": 3072,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
         "target_temperature": 0.1,
     },
     "lr_1.5e-2_clip_2": {"learning_rate": 0.015, "grad_clip": 2.0},
     "rows_4_half_steps": {"rows_per_batch": 4, "_steps_factor": 0.5},
     "muon": {"optimizer": "muon"},  # Muon on fc and the draft layer's matrices, AdamW on lm_head and norms
     "combo_muon": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "optimizer": "muon",
     },
     "combo_t0.1_muon": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "target_temperature": 0.1,
         "optimizer": "muon",
     },
@@ -140,10 +122,7 @@ ON_PREVIOUS = {
     # moving average of the weights (updated after every optimizer step) into final/ (a measured prototype: 05
     # has no such param, since it did not raise tau)
     "combo_ema_0.99": {
-        "aux_layers": [1, 3, 6],
-        "draft_intermediate_size": 1536,
-        "grad_clip": 2.0,
-        "adam_betas": [0.9, 0.999],
+        **COMBO,
         "_ema_decay": 0.99,
     },
 }
