@@ -31,6 +31,7 @@ run: env toy
 	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),)
 
 test: env vllm-env
+	@$(PY) -m eagle_lib.engines.machine
 	$(PY) -m pytest -q
 
 # JupyterLab on the repository; its python3 kernel is this project's .venv (notebooks find outputs/ from any cwd).

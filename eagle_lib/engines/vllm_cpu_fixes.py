@@ -12,7 +12,8 @@ directory and the repository on the server's PYTHONPATH) replaces the stand-in o
 when a probe shows it is broken, so a vLLM with the fix is left alone. vLLM loads general plugins just before it
 registers its CPU kernel overrides (``worker_base``), and the override reads the module attribute set here.
 
-Runs in the vLLM venv: imports torch and vllm only.
+Runs in the vLLM venv: imports torch and vllm only, and never an ISA-specific build of vLLM's ops itself
+(tests/unit/test_vllm_cpu_fixes.py forces an AVX2-only CPU and checks).
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def register() -> None:
 
     if not current_platform.is_cpu():
         return
+    # The C++ ops the stand-in calls, in the build vLLM picks for this CPU (_C needs AVX-512 BF16, _C_AVX512
+    # AVX-512, _C_AVX2 AVX2; importing vllm._C itself dies with SIGILL on an AVX2-only CPU). A no-op when
+    # vLLM already loaded them; on failure it logs and the probe below finds the stand-in broken.
+    current_platform.import_kernels()
     try:
-        import vllm._C  # noqa: F401  (the C++ ops the stand-in calls)
         from vllm.utils import cpu_triton_utils as cpu
     except ImportError:
         return

@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from eagle_lib.engines import client
-from eagle_lib.serving.online import counter_delta, metrics_counters
+from eagle_lib.serving.online import completion_tokens, counter_delta, metrics_counters, settled_counters
 from eagle_lib.serving.preflight import Check, _same_path
 
 COLLAPSED_TAU = 1.1  # below this the server accepts almost no drafts
@@ -107,13 +107,18 @@ def vllm_spec_config(base_url: str, timeout: float = 30.0) -> dict | None:
 def probe_vllm(
     base_url: str, model: str = "", n: int = 3, max_tokens: int = 32, timeout: float = 300.0
 ) -> dict:
-    """Counter deltas over n greedy probe requests: tau, drafts, draft_tokens, accepted."""
+    """Counter deltas over n greedy probe requests of `max_tokens` each (``ignore_eos``: a model that answers
+    the probe with its stop token at once still takes speculative steps), read once the counters account for
+    every token the replies report: tau, drafts, draft_tokens, accepted, generated."""
     model = model or client.get_json(base_url + "/v1/models")["data"][0]["id"]
-    before = metrics_counters(base_url)
+    before, generated = metrics_counters(base_url), 0
     for i in range(n):
-        body = dict(model=model, prompt=f"{i}. {PROBE_TEXT}", max_tokens=max_tokens, temperature=0.0)
-        client.post_json(base_url + "/v1/completions", body, timeout)
-    return counter_delta(before, metrics_counters(base_url), 1)
+        body = dict(model=model, prompt=f"{i}. {PROBE_TEXT}", max_tokens=max_tokens, temperature=0.0,
+                    ignore_eos=True)  # fmt: skip
+        generated += completion_tokens(
+            client.post_json(base_url + "/v1/completions", body, timeout), base_url
+        )
+    return counter_delta(before, settled_counters(base_url, before, generated), 1) | {"generated": generated}
 
 
 def check_vllm(base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None) -> list[Check]:
@@ -142,7 +147,8 @@ def check_vllm(base_url: str, drafter_dir: str, num_steps: int, tau: float | Non
         return out
     per = d["draft_tokens"] / d["drafts"] if d["drafts"] else None
     ok = per is not None and abs(per - num_steps) < 1e-9
-    out.append(Check("vllm draft tokens per step (metrics)", ok, f"{per} (intended {num_steps})", "warning"))
+    msg = f"{per} (intended {num_steps}; {d['drafts']:.0f} drafts over {d['generated']} probe tokens)"
+    out.append(Check("vllm draft tokens per step (metrics)", ok, msg, "warning"))
     _tau_check(
         out, tau if tau is not None else d["tau"], "measured" if tau is not None else "3 probe requests"
     )

@@ -12,6 +12,7 @@ requests carry a per-prompt seed so a rerun sends the same requests.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ def vllm_spec_counters(metrics_text: str) -> dict:
         "vllm:spec_decode_num_drafts_total": "drafts",
         "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+        "vllm:generation_tokens_total": "generated",
     }
     out: dict[str, float] = {v: 0.0 for v in names.values()}
     for line in metrics_text.splitlines():
@@ -51,7 +53,8 @@ def vllm_spec_counters(metrics_text: str) -> dict:
         base, _, labels = name.partition("{")
         if base in names:
             out[names[base]] += float(value)
-            out["series"] = out.get("series", 0) + 1
+            if base.startswith("vllm:spec_decode"):
+                out["series"] = out.get("series", 0) + 1
         elif base == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
             pos = labels.split('position="')[1].split('"')[0]
             out[f"pos_{pos}"] = out.get(f"pos_{pos}", 0.0) + float(value)
@@ -79,6 +82,34 @@ def metrics_counters(base_url: str) -> dict:
     return c
 
 
+def completion_tokens(reply: dict, url: str) -> int:
+    """The reply's usage.completion_tokens; an error naming the server when the reply has no usage."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(n, int):
+        raise ValueError(f"{url}: the reply has no usage.completion_tokens (got {str(reply)[:200]})")
+    return n
+
+
+def settled_counters(base_url: str, before: dict, generated: int, timeout_s: float = 60.0) -> dict:
+    """The counters once they account for `generated` tokens more than `before` did. vLLM records an engine
+    step's stats after it hands the step's outputs on, so a /metrics read right after the last reply can miss
+    the steps of that traffic; polling until ``vllm:generation_tokens_total`` has grown by what the replies
+    reported makes the spec-decode counters read after the traffic, never before."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = metrics_counters(base_url)
+        seen = after.get("generated", 0.0) - before.get("generated", 0.0)
+        if seen >= generated:
+            return after
+        if time.monotonic() > deadline:
+            raise ValueError(
+                f"{base_url}/metrics counted {seen:.0f} generated tokens {timeout_s:.0f} s after replies that "
+                f"reported {generated}: its counters lag (or other traffic reset them)"
+            )
+        time.sleep(0.2)
+
+
 def counter_delta(before: dict, after: dict, num_steps: int) -> dict:
     """tau, drafts, accepted, per-position acceptance from two counter snapshots."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -102,7 +133,7 @@ def online_vllm(
     """Per dataset: completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas."""
     model = model or client.get_json(base_url + "/v1/models")["data"][0]["id"]
 
-    def one(pr: Prompt) -> list[int]:
+    def one(pr: Prompt) -> tuple[list[int], int]:
         body = dict(
             model=model,
             prompt=pr.prompt_ids,
@@ -113,14 +144,15 @@ def online_vllm(
         if not sampling.greedy:
             body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=_seed(pr, seed))
         ans = client.post_json(base_url + "/v1/completions", body, timeout_s)
-        return list(ans["choices"][0]["token_ids"])
+        return list(ans["choices"][0]["token_ids"]), completion_tokens(ans, base_url)
 
     out = {}
     for ds, ps in prompts.items():
         before = metrics_counters(base_url)
-        outputs = _map(one, ps, concurrency)
-        res = counter_delta(before, metrics_counters(base_url), num_steps)
-        out[ds] = {**res, "outputs": {pr.id: o for pr, o in zip(ps, outputs, strict=True)}}
+        answers = _map(one, ps, concurrency)
+        after = settled_counters(base_url, before, sum(n for _, n in answers))
+        res = counter_delta(before, after, num_steps)
+        out[ds] = {**res, "outputs": {pr.id: ids for pr, (ids, _) in zip(ps, answers, strict=True)}}
     return out
 
 

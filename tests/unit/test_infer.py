@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +17,9 @@ import yaml
 from eagle_lib import infer, params, store
 from eagle_lib.engines.base import Request, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine
+from eagle_lib.engines.http import SGLangEngine
 from eagle_lib.pipeline import REPO_ROOT
+from tests.support import slow_append
 from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
 from tests.support.tiny import build_world, make_prompts
 
@@ -144,19 +144,10 @@ def test_restart_after_a_crash_generates_only_the_rest(world, tmp_path, monkeypa
 NON_ASCII = "données·日本語·🙂"  # every record carries it (source): a torn tail can be cut inside a character
 
 
-def kill_mid_write(cmd: list[str], out: Path, env: dict, deadline_s: float = 120) -> None:
-    """Start the slow-append CLI and SIGKILL it while a record is half written (its tail cut inside a character)."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + deadline_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        if out.exists() and (data := out.read_bytes()) and not data.endswith(b"\n"):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait(timeout=30)
+def kill_mid_write(cmd: list[str], out: Path, env: dict) -> None:
+    """SIGKILL the slow-append CLI at its first torn tail (a handshake: no clock decides where)."""
+    slow_append.kill_mid_write(cmd, out, env, cwd=REPO_ROOT)
     data = out.read_bytes()
-    assert proc.returncode == -signal.SIGKILL and not data.endswith(b"\n"), "not killed mid-write"
     with pytest.raises(UnicodeDecodeError):
         data[data.rfind(b"\n") + 1 :].decode()  # the torn tail ends inside a multi-byte character
 
@@ -339,13 +330,14 @@ def test_faults_summary_and_retry_of_errors(world, tmp_path):
     assert all(r["engine"] == "sglang" and r["server"] == url for r in records(run, "a"))
 
 
-def test_stage_fails_fast_when_the_server_is_down(world, tmp_path):
+def test_stage_fails_fast_when_the_server_is_down(world, tmp_path, monkeypatch):
     d, tok = world
     run = make_run(tmp_path, tok, {"a": 2})
-    t0 = time.monotonic()
+    waits = []  # fast = no retry and no backoff wait (counted, not timed)
+    monkeypatch.setattr(SGLangEngine, "backoff", lambda self, *a: waits.append(a) or 0.0)
     with pytest.raises(infer.InferError, match="(?s)health probe failed.*down or not answering"):
         infer.run(config(run, d, engine="sglang", server_urls=["http://127.0.0.1:9"]))
-    assert time.monotonic() - t0 < 15 and not (run / "infer/a").exists()
+    assert waits == [] and not (run / "infer/a").exists()
 
 
 def test_api_key_is_read_from_the_named_variable(world, tmp_path, monkeypatch):

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from eagle_lib.drafter import batches
 from eagle_lib.engines.base import Request, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine
 from eagle_lib.pipeline import REPO_ROOT
+from tests.support import slow_append
 
 torch.set_num_threads(1)
 NEW = 128  # toy answers are 40-120 tokens: most turns stop, some hit the limit (the "length" stop)
@@ -224,20 +222,6 @@ def test_05_trains_each_conversation_once_with_every_answer_masked(toy, answered
                multiturn.training_records(store.read_jsonl(run / f"infer/{n}/responses.jsonl")))  # fmt: skip
 
 
-def kill_when(cmd: list[str], out: Path, env: dict, ready, deadline_s: float = 240) -> None:
-    """SIGKILL the CLI while a record is half written and `ready(bytes)` holds."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + deadline_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        if out.exists() and (data := out.read_bytes()) and not data.endswith(b"\n") and ready(data):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL and not out.read_bytes().endswith(b"\n"), "not killed mid-write"
-
-
 def test_sigkill_mid_conversation_resumes_each_turn_exactly_once(toy, answered, tmp_path):
     shared, _, _ = toy
     ref_run, _ = answered
@@ -252,10 +236,14 @@ def test_sigkill_mid_conversation_resumes_each_turn_exactly_once(toy, answered, 
     pfile.write_text(yaml.safe_dump({"run_name": "kill", "shared": sh, "stages": {"03_infer": stage}}))
     out, env = run / "infer/glaive/responses.jsonl", {**os.environ, "OMP_NUM_THREADS": "1"}
     slow = [sys.executable, "-m", "tests.support.slow_append", str(pfile), "--run-dir", str(run)]
-    kill_when(slow, out, env, lambda data: True)  # during the first round (turn 0)
-    kill_when(slow, out, env, lambda data: b'"turn":1' in data)  # mid-conversation: a later turn committed
+    first = slow_append.kill_mid_write(slow, out, env, cwd=REPO_ROOT)  # during the first round
+    assert first["turn"] == 0
+    # mid-conversation: killed while writing a later turn's answer
+    later = slow_append.kill_mid_write(slow, out, env, lambda data, rec: rec["turn"] > 0, cwd=REPO_ROOT)
     before = [json.loads(x) for x in out.read_bytes().split(b"\n")[:-1]]
-    assert any(r["turn"] > 0 for r in before)
+    committed = {(r["conversation"], r["turn"]) for r in before}
+    assert (later["conversation"], later["turn"] - 1) in committed  # its earlier turn was committed ...
+    assert (later["conversation"], later["turn"]) not in committed  # ... and this one was torn
     meta = infer.run(infer_cfg(run, shared, datasets=["glaive"], write_every=1, batch_size=4))["datasets"][
         "glaive"
     ]

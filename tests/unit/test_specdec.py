@@ -461,9 +461,11 @@ def test_tables_pool_steps_and_speedups():
 class StandIn(BaseHTTPRequestHandler):
     """SGLang /generate (meta_info with completion_tokens, spec_verify_ct) and vLLM /v1/completions + /metrics."""
 
-    counters = {"drafts": 0, "accepted": 0}
+    counters = {"drafts": 0, "accepted": 0, "generated": 0}
     sglang_meta = True
     bodies: list = []
+    published: dict = {}  # what /metrics shows: vLLM records a step's stats after it has sent the step's outputs
+    lag_reads = 0  # /metrics reads that still show the counters from before the last request
 
     def log_message(self, *a):
         pass
@@ -477,10 +479,15 @@ class StandIn(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        c = self.counters
         if self.path == "/metrics":
+            if StandIn.lag_reads > 0:
+                StandIn.lag_reads -= 1
+            else:
+                StandIn.published = dict(self.counters)
+            c = StandIn.published
             self._send(
                 "# HELP x\n"
+                f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {c["generated"]}.0\n'
                 f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {c["drafts"]}.0\n'
                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {3 * c["drafts"]}.0\n'
                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {c["accepted"]}.0\n'
@@ -493,13 +500,19 @@ class StandIn(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ids = body.get("prompt") or body.get("input_ids")
+        ids = [ord(c) for c in ids] if isinstance(ids, str) else ids  # a text prompt (the live probe's)
         out = [(t + 1) % 50 for t in ids[-4:]]  # deterministic "greedy" output
         StandIn.bodies.append(body)
         if self.path == "/v1/completions":
             assert body["model"] == "served"
             StandIn.counters["drafts"] += 2
             StandIn.counters["accepted"] += 3
-            self._send({"choices": [{"token_ids": out, "text": ""}]})
+            StandIn.counters["generated"] += len(out)
+            StandIn.lag_reads = StandIn.lag
+            usage = {"completion_tokens": len(out), "prompt_tokens": len(ids)}
+            self._send(
+                {"choices": [{"token_ids": out, "text": ""}], **({"usage": usage} if self.usage else {})}
+            )
         else:
             meta = {"completion_tokens": 8, "prompt_tokens": len(ids)}
             if self.sglang_meta:
@@ -509,8 +522,8 @@ class StandIn(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    StandIn.counters = {"drafts": 0, "accepted": 0}
-    StandIn.sglang_meta, StandIn.bodies = True, []
+    StandIn.counters, StandIn.published = {"drafts": 0, "accepted": 0, "generated": 0}, {}
+    StandIn.sglang_meta, StandIn.bodies, StandIn.lag, StandIn.lag_reads, StandIn.usage = True, [], 0, 0, True
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -523,12 +536,33 @@ ONLINE_PROMPTS = {
 }
 
 
-def test_vllm_client_tau_from_counter_deltas(server):
-    StandIn.counters = {"drafts": 100, "accepted": 40}  # earlier traffic must not count
+@pytest.mark.parametrize("lag", [0, 3])
+def test_vllm_client_tau_from_counter_deltas(server, lag):
+    """lag 3: /metrics shows the counters of the last request only from the 4th read on (as vLLM records a
+    step's stats after its outputs have gone out); the client waits for them instead of reading them early."""
+    StandIn.counters = {"drafts": 100, "accepted": 40, "generated": 500}  # earlier traffic must not count
+    StandIn.lag = lag
     res = online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, num_steps=3, concurrency=2)
     assert res["x"]["drafts"] == 6 and res["x"]["tau"] == pytest.approx(1 + 9 / 6)
     assert res["y"]["tau"] == pytest.approx(2.5) and res["y"]["acc"][0] == pytest.approx(1.5)
     assert res["x"]["outputs"]["x1"] == [2, 3, 4]
+
+
+def test_live_probe_reads_the_counters_after_its_traffic(server):
+    from eagle_lib.serving import live
+
+    StandIn.lag = 2
+    d = live.probe_vllm(server, n=3)
+    assert (d["drafts"], d["draft_tokens"], d["generated"]) == (6, 18, 12)
+    assert all(b["ignore_eos"] is True and b["temperature"] == 0.0 for b in StandIn.bodies)
+    checks = {c.name: c for c in live.check_vllm(server, "/d", num_steps=3, tau=2.0)}
+    assert checks["vllm draft tokens per step (metrics)"].ok
+
+
+def test_vllm_reply_without_usage_is_a_clear_error(server):
+    StandIn.usage = False
+    with pytest.raises(ValueError, match="no usage.completion_tokens"):
+        online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8)
 
 
 def test_sglang_client_tau_and_missing_meta(server):

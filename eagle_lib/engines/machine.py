@@ -1,0 +1,65 @@
+"""The machine a run lands on, in one line each: the CPU model, the x86 ISA flags vLLM's CPU build depends on,
+and the build of vLLM's C++ ops that vLLM picks for this CPU. `make test` prints it first, so a red CI names
+its machine (vLLM's AVX-512 build dies with SIGILL on an AVX2-only CPU).
+
+    python -m eagle_lib.engines.machine
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # as /proc/cpuinfo spells them
+
+# vLLM 0.32's rule (vllm/platforms/cpu.py, CpuPlatform.import_kernels) asked of the torch in vLLM's own venv.
+_OPS_BUILD = """
+import torch
+from vllm.platforms import current_platform
+if not current_platform.is_cpu():
+    print(type(current_platform).__name__ + " (not the CPU platform)")
+elif not torch.cpu._is_avx512_supported():
+    print("vllm._C_AVX2")
+else:
+    print("vllm._C" if torch.cpu._is_avx512_bf16_supported() else "vllm._C_AVX512")
+"""
+
+
+def cpu_model_and_flags(cpuinfo: str) -> tuple[str, dict[str, bool]]:
+    """The first processor's model name and which of ISA_FLAGS it has, from /proc/cpuinfo text."""
+    model, flags = "unknown", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown":
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return model, {f: f in flags for f in ISA_FLAGS}
+
+
+def vllm_ops_build(python: Path) -> str:
+    """Which build of vLLM's ops vLLM loads on this CPU, asked in a subprocess of the vLLM venv's `python`."""
+    if not python.exists():
+        return f"no vLLM interpreter at {python}"
+    try:
+        out = subprocess.run([str(python), "-c", _OPS_BUILD], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "unknown (vLLM did not answer in 120 s)"
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if out.returncode == 0 and lines else f"unknown (exit {out.returncode})"
+
+
+def describe(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    from eagle_lib.engines.vllm_server import vllm_python
+
+    try:
+        text = Path(cpuinfo_path).read_text()
+    except OSError:
+        text = ""
+    model, flags = cpu_model_and_flags(text)
+    isa = " ".join(f"{f}={'yes' if v else 'no'}" for f, v in flags.items())
+    return f"machine: {model}; {isa}; vLLM ops build: {vllm_ops_build(vllm_python())}"
+
+
+if __name__ == "__main__":
+    print(describe())
