@@ -15,7 +15,7 @@ from eagle_lib import models, params, store
 from eagle_lib.analysis import curve as curves
 from eagle_lib.analysis import value_tables as tables
 from eagle_lib.data import subsets
-from eagle_lib.drafter import batches, retrain
+from eagle_lib.drafter import retrain
 from eagle_lib.serving import heldout_tau
 
 STAGE = "07_data_value"
@@ -33,22 +33,19 @@ class Study:
 
     def __init__(self, cfg: params.StageConfig):
         self.cfg, self.out = cfg, cfg.out("value")
-        self.recipe, shared05 = retrain.load_recipe(cfg.run_dir)
+        p05, shared05, world05 = retrain.load_recipe(cfg.run_dir)
+        self.recipe = p05.model_dump()  # 05's params as 05 wrote them (the cache key and the report hold it)
         if shared05.heldout_percent != cfg.shared.heldout_percent or shared05.seed != cfg.shared.seed:
             raise params.ParamsError(
                 f"{STAGE}: heldout_percent/seed ({cfg.shared.heldout_percent}, {cfg.shared.seed}) differ from "
                 f"the ones 05 trained with ({shared05.heldout_percent}, {shared05.seed}) in {cfg.run_dir}/drafter"
             )
-        self.unknown_recipe_keys = retrain.unknown_keys(self.recipe)
-        self.trainer = retrain.Trainer(self.recipe, cfg.shared)
+        self.trainer = retrain.Trainer(p05, cfg.shared, world05)
         self.train_seqs, held, self.seq_tally = self.trainer.sequences(cfg.run_dir, max_eval=0)
         self.names = subsets.dataset_of(cfg.run_dir)
         self.groups = subsets.by_dataset(self.train_seqs, self.names, cfg.shared.seed)
         self.total = subsets.tokens(self.train_seqs)
-        per_epoch = batches.BatchStream(
-            self.train_seqs, self.recipe["pack_len"], self.recipe["rows_per_batch"], 0
-        ).per_epoch
-        self.steps05 = retrain.full_steps(self.recipe, per_epoch)
+        self.steps05 = self.trainer.full_steps(self.train_seqs)
         self.decoder = self._decoder(cfg, held)
         self.arms: dict[str, dict] = {}
         self.sums_file = self.out / "sums.json"
@@ -104,7 +101,7 @@ class Study:
         elif (ddir / "model.safetensors").exists():
             drafter, how = load_drafter(ddir, device=self.trainer.device), "cached"
         else:
-            drafter, log = self.trainer.train(seqs, steps, warmup)
+            drafter, log = self.trainer.train(seqs, steps, warmup, ddir, key)
             save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
             how = "trained"
         eval_key = store.stable_hash(

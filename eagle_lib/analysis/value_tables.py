@@ -171,7 +171,7 @@ def result(st, curve_df, c: curves.Curve, lodo: pd.DataFrame, regen: pd.DataFram
         "gain_2x": v["gain_2x"],
         "heldout_prompts": len(st.decoder.prompts),
         "arms": {n: {k: a[k] for k in ("tokens", "steps", "drafter")} for n, a in st.arms.items()},
-        "recipe_keys_not_reproduced": st.unknown_recipe_keys,
+        "recipe_world_size": st.trainer.world,  # 05 ran on so many processes; 07 trains them as one
     }
     if len(rank):
         h["lodo_value_all"] = {

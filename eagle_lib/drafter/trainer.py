@@ -1,4 +1,4 @@
-"""Stage 05's training loop (`eagle_lib.train` is the stage: params, fingerprint, entry points): the hidden
+"""The training loop of 05 and 07 (`fit`) and stage 05's run around it (`eagle_lib.train` is the stage: entry points): the hidden
 source, a drafter initialised from the target, TTT steps with gradient accumulation, DDP/FSDP, NaN guard,
 checkpoints and resume, measured acceptance while training, the held-out table, final weights and exports.
 """
@@ -13,8 +13,8 @@ import warnings
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, ttt, vocab
-from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_state
+from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, recipe, ttt, vocab
+from eagle_lib.drafter.model import Eagle3Config, save_state
 
 # tqdm.auto (imported by transformers / huggingface_hub while the target loads) warns on stderr in a kernel without
 # ipywidgets: noise in the executed 05 report
@@ -58,16 +58,6 @@ def _source(cfg, device, hf_config, fp: str):
     raise params.ParamsError(f"{cfg.name}: hidden_source {p.hidden_source!r}: choose online, offline or vllm")
 
 
-def _schedule(p, total: int):
-    def lr_lambda(step: int) -> float:
-        if step < p.warmup_steps:
-            return (step + 1) / p.warmup_steps
-        frac = min(1.0, (step - p.warmup_steps) / max(1, total - p.warmup_steps))
-        return p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    return lr_lambda
-
-
 # --- loop ----------------------------------------------------------------------------------------------
 def _to(batch: batches.Batch, device):
     return [x.to(device) for x in (batch.input_ids, batch.position_ids, batch.doc_ids, batch.loss_mask)]
@@ -82,33 +72,38 @@ def _micro_step(model, source, batch, device, autocast: bool, accum: int, sync: 
     return stats.detach()
 
 
-def _loop(cfg, model, opts, scheds, source, stream, device, k, decay, total, fp, config, meter):
-    p, out = cfg.stage, cfg.out("drafter")
+def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, fp, config, out,
+        meter=None, log_every: int | None = None) -> list[dict]:  # fmt: skip
+    """The training loop of 05 and 07: optimizer steps `start`..`total` of recipe `p` (resumed from the newest
+    complete checkpoint of fingerprint `fp` under `out` when p.resume), each over `recipe.micro_batches` of
+    `stream`; NaN guard; train_log.jsonl and checkpoints under `out`; `meter(row, history)` after each step
+    (05's measured acceptance). Returns the per-step history (resumed rows included)."""
     rank, world, _ = distributed.world()
-    group = world * p.grad_accum
     start, history = checkpoints.resume(out, model, opts, scheds, fp) if p.resume else (0, [])
     log = out / "train_log.jsonl"
     if distributed.is_main():  # the log restarts from the resumed checkpoint's history
+        out.mkdir(parents=True, exist_ok=True)
         tmp = log.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)
         store.append_jsonl(tmp, history)
         tmp.touch()
         tmp.replace(log)
-    autocast = _autocast(p, device)
+    autocast = use_autocast(p, device)
     params_ = [q for q in model.parameters() if q.requires_grad]
+    every = p.log_every if log_every is None else log_every
     bad, stop = 0, (start + p.stop_after_steps if p.stop_after_steps else total)
     for step in range(start, min(total, stop)):
         t0 = time.perf_counter()
         stats, tokens = torch.zeros(k, ttt.N_STATS, device=device), 0
-        for a in range(p.grad_accum):
-            batch = stream.micro_batch(step * group + rank * p.grad_accum + a)
+        for a, m in enumerate(recipe.micro_batches(step, rank, world, p.grad_accum)):
+            batch = stream.micro_batch(m)
             stats += _micro_step(model, source, batch, device, autocast, p.grad_accum, a == p.grad_accum - 1)
             tokens += batch.n_tokens
         gnorm = float(torch.nn.utils.clip_grad_norm_(params_, p.grad_clip))
         bad = bad + 1 if not math.isfinite(gnorm) else 0
         if bad > p.max_bad_steps:
             raise FloatingPointError(
-                f"{cfg.name}: {bad} consecutive steps with non-finite gradients (last {step})"
+                f"{name}: {bad} consecutive steps with non-finite gradients (last {step})"
             )
         if bad == 0:
             optim.step(opts)
@@ -122,11 +117,13 @@ def _loop(cfg, model, opts, scheds, source, stream, device, k, decay, total, fp,
         tokens = int(distributed.all_reduce_sum(torch.tensor(tokens, device=device)))
         row = ttt.log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
         row["skipped"] = bad > 0
-        _measure(cfg, model, meter, row, history, fp, config, total)
+        row["elapsed_s"] = (history[-1]["elapsed_s"] if history else 0.0) + row["seconds"]
+        if meter is not None:
+            meter(row, history)
         history.append(row)
         if distributed.is_main():
             store.append_jsonl(log, [row], fsync=False)
-            if (step + 1) % p.log_every == 0 or step == 0:
+            if every and ((step + 1) % every == 0 or step == 0):
                 tau = f" measured tau {row['measured_tau']:.2f}" if "measured_tau" in row else ""
                 print(
                     f"step {step + 1}/{total} loss {row['loss']:.4f} acc_0 {row['acc_k'][0]:.3f} "
@@ -138,26 +135,29 @@ def _loop(cfg, model, opts, scheds, source, stream, device, k, decay, total, fp,
     return history
 
 
-def _measure(cfg, model, meter, row, history, fp, config, total) -> None:
-    """Decode the held-out prompts with the current weights (main rank) when due; keep the best weights."""
+def _measure(cfg, model, meter, fp, config, total):
+    """05's per-step hook: decode the held-out prompts with the current weights (main rank) when due; keep
+    the best weights."""
     p = cfg.stage
-    prev = history[-1]["elapsed_s"] if history else 0.0
-    row["elapsed_s"] = prev + row["seconds"]
-    if meter is None or not measure.due(row["step"], p.measure_every, total):
-        return
-    if distributed.is_main():
-        drafter = distributed.unwrap(model).drafter
-        m = meter(drafter)
-        row.update(measured_tau=m["tau"], measured_acc=m["acc"], measure_seconds=m["seconds"])
-        row["elapsed_s"] += m["seconds"]
-        top = measure.best(history)
-        if p.final_checkpoint == "best_measured" and (top is None or m["tau"] > top["measured_tau"]):
-            state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
-            checkpoints.save_best(cfg.out("drafter"), fp, state, config, row["step"], m["tau"])
-    distributed.barrier()
+
+    def hook(row: dict, history: list) -> None:
+        if meter is None or not measure.due(row["step"], p.measure_every, total):
+            return
+        if distributed.is_main():
+            drafter = distributed.unwrap(model).drafter
+            m = meter(drafter)
+            row.update(measured_tau=m["tau"], measured_acc=m["acc"], measure_seconds=m["seconds"])
+            row["elapsed_s"] += m["seconds"]
+            top = measure.best(history)
+            if p.final_checkpoint == "best_measured" and (top is None or m["tau"] > top["measured_tau"]):
+                state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+                checkpoints.save_best(cfg.out("drafter"), fp, state, config, row["step"], m["tau"])
+        distributed.barrier()
+
+    return hook
 
 
-def _autocast(p, device) -> bool:
+def use_autocast(p, device) -> bool:
     return p.precision == "bf16" or (p.precision == "auto" and device.type == "cuda")
 
 
@@ -172,19 +172,9 @@ def build(cfg: params.StageConfig, device, fp: str = ""):
     train_seqs, held, tally = batches.load_sequences(
         cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples, p.max_eval_samples, keep
     )
-    config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
-    config.norm_before_residual, config.norm_before_fc = p.norm_before_residual, p.norm_before_fc
-    config.norm_output = p.norm_output
-    config.intermediate_size = p.draft_intermediate_size or config.intermediate_size
+    config = recipe.drafter_config(hf_config, p)
     d2t, t2d, vinfo = vocab.for_stage(cfg, train_seqs, config.vocab_size)
-    torch.manual_seed(cfg.shared.seed)
-    drafter = Eagle3Drafter(config)
-    drafter.set_vocab_map(d2t, t2d)
-    init_from_target(
-        drafter,
-        embed.detach().float().cpu(),
-        lm_head.detach().float().cpu() if p.init_lm_head_from_target else None,
-    )
+    drafter = recipe.new_drafter(config, d2t, t2d, p, cfg.shared.seed, embed, lm_head)
     return source, drafter.to(device), train_seqs, held, tally, vinfo
 
 
@@ -203,20 +193,20 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     source, drafter, train_seqs, held, tally, vinfo = build(cfg, device, fp)
     stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
     world = distributed.world()[1]
-    total = p.max_steps or max(1, p.epochs * stream.per_epoch // (world * p.grad_accum))
+    total = recipe.total_steps(p, stream.per_epoch, world)
     attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
     model = distributed.wrap(
         ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature), p.distributed, device
     )
     opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, _schedule(p, total)) for o in opts]
+    scheds = recipe.schedules(opts, p, total)
     if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
         shutil.rmtree(checkpoints.directory(out, fp))  # asked to start over: only these settings' checkpoints
     distributed.barrier()
     meter, why_not = measure.meter_for(cfg, source, held)
-    history = _loop(
-        cfg, model, opts, scheds, source, stream, device, k, decay, total, fp, drafter.config, meter
-    )
+    hook = _measure(cfg, model, meter, fp, drafter.config, total)
+    history = fit(cfg.name, p, model, opts, scheds, source, stream, device, k, decay, total, fp, drafter.config,
+                  out, hook)  # fmt: skip
     if len(history) < total:  # stop_after_steps: the next run resumes
         stopped = {"stopped_at_step": len(history), "total_steps": total}
         if distributed.is_main():
@@ -224,7 +214,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
         distributed.shutdown()
         return stopped
     chosen = checkpoints.load_best(out, fp, drafter) if p.final_checkpoint == "best_measured" else None
-    heldout = ttt.evaluate(model, source, held, p.pack_len, p.rows_per_batch, device, _autocast(p, device))
+    heldout = ttt.evaluate(model, source, held, p.pack_len, p.rows_per_batch, device, use_autocast(p, device))
     summary = ttt.run_summary(history, heldout, vinfo, tally, k, decay, total, world)
     if hasattr(source, "summary"):  # vllm: bytes/token, peak buffer, producer vs trainer throughput
         summary["hidden"] = source.summary()
@@ -260,5 +250,6 @@ def _finish(cfg, model, config, summary, tally, t_start, fp: str) -> None:
         "shared": cfg.shared.model_dump(),
         "inputs": batches.data_fingerprint(cfg.run_dir),
         "fingerprint": fp,
+        "world_size": summary["world_size"],  # 07 trains 05's recipe as one process of world x grad_accum
     }
     store.write_meta(out, meta, t_start, tally=True)

@@ -221,7 +221,9 @@ def test_vllm_drafter_matches_online_and_kill_resume_is_exactly_once(tmp_path, m
     for name in ("full", "online0"):  # 07's retrainer on a nested subset, through each run's 05 recipe
         tr = retrain.Trainer(*retrain.load_recipe(tmp_path / name))
         seqs = tr.sequences(tmp_path / name)[0]
-        logs[name] = [r["loss"] for r in tr.train(seqs[: len(seqs) // 2], 6, 2)[1]]
+        logs[name] = [
+            r["loss"] for r in tr.train(seqs[: len(seqs) // 2], 6, 2, tmp_path / f"arm_{name}", "a")[1]
+        ]
         if name == "full":  # every sequence of the subset was kept by 05: no producer
             assert tr.source.stats == {"kept_tokens": tr.source.stats["kept_tokens"], "produced_tokens": 0,
                                        "producer_sessions": 0} and tr.source.stats["kept_tokens"] > 0  # fmt: skip

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eagle_lib import store, train
+from eagle_lib.drafter import retrain
 from eagle_lib.drafter.model import load_drafter
 from tests.support import eagle_tiny
 
@@ -62,3 +63,24 @@ def test_ddp_two_processes_match_one(world, tmp_path):
 @pytest.mark.slow
 def test_fsdp_two_processes_match_one(world, tmp_path):
     compare(world, tmp_path, "fsdp")
+
+
+def test_07_trains_05s_two_rank_recipe_as_one_process(world, tmp_path):
+    """05 on 2 ranks x grad_accum 2 with its steps from the epoch count; 07's retrainer on that run's recipe
+    takes 05's step count and 4 micro-batches per step in 05's order, and ends on 05's weights (the old
+    retrainer ignored the world size: 1/2 the batch and another step count)."""
+    two = fresh(world, tmp_path / "two")
+    cfg = eagle_tiny.stage_config(
+        two, world[0] / "target", grad_accum=2, max_steps=0, epochs=3, nproc_per_node=2
+    )
+    summary = train.run(cfg)
+    tr = retrain.Trainer(*retrain.load_recipe(two))
+    seqs = tr.sequences(two)[0]
+    assert (tr.world, tr.p.grad_accum) == (2, 4)
+    assert tr.full_steps(seqs) == summary["steps"] > 1
+    drafter, log = tr.train(seqs, summary["steps"], cfg.stage.warmup_steps, tmp_path / "arm", "a")
+    five = store.read_jsonl(two / "drafter/train_log.jsonl")
+    assert [r["tokens"] for r in log] == [r["tokens"] for r in five]  # the same global batches
+    ref = load_drafter(two / "drafter/final")
+    for key, v in ref.state_dict().items():
+        torch.testing.assert_close(drafter.state_dict()[key], v, rtol=0, atol=1e-5)

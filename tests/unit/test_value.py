@@ -21,28 +21,33 @@ def trained(tmp_path_factory):
     run = eagle_tiny.make_run(root)
     cfg = eagle_tiny.stage_config(run, root / "target")
     train.run(cfg)
-    recipe, shared = retrain.load_recipe(run)
-    return run, cfg, retrain.Trainer(recipe, shared)
+    return run, cfg, retrain.Trainer(*retrain.load_recipe(run))
 
 
-def test_recipe_keys_cover_every_05_setting():
-    """A new 05 setting must be classified (reproduced or without effect on the weights) here."""
-    fields = set(train.Params.model_fields)
-    assert retrain.unknown_keys({k: None for k in fields}) == []
-    assert not (retrain.HONOURED & retrain.IGNORED) and (retrain.HONOURED | retrain.IGNORED) <= fields
+def test_a_recipe_this_code_does_not_know_is_refused(trained, tmp_path):
+    """05's meta from a newer 05 (an unknown setting) is refused, naming the file and the key: 07 would
+    otherwise train another recipe than 05's."""
+    run = trained[0]
+    (tmp_path / "drafter").mkdir()
+    meta = store.read_json(run / "drafter/meta.json")
+    store.write_json(tmp_path / "drafter/meta.json", meta | {"params": meta["params"] | {"new_knob": 1}})
+    with pytest.raises(retrain.RecipeError, match=r"(?s)drafter/meta.json.*new_knob"):
+        retrain.load_recipe(tmp_path)
 
 
-def test_retrain_reproduces_stage_05_weights(trained):
+def test_retrain_reproduces_stage_05_weights(trained, tmp_path):
     run, cfg, tr = trained
     seqs, _, _ = tr.sequences(run)
-    steps = retrain.full_steps(tr.p, 0)
-    drafter, log = tr.train(seqs, steps, cfg.stage.warmup_steps)
+    steps = tr.full_steps(seqs)
+    assert steps == store.read_json(run / "drafter/summary.json")["steps"]
+    drafter, log = tr.train(seqs, steps, cfg.stage.warmup_steps, tmp_path, "arm")
     ref = load_drafter(run / "drafter" / "final")
     for key, v in ref.state_dict().items():
         torch.testing.assert_close(drafter.state_dict()[key], v, rtol=1e-5, atol=1e-6)
     assert [r["step"] for r in log] == list(range(1, steps + 1))
     five = [r["loss"] for r in store.read_jsonl(run / "drafter" / "train_log.jsonl")]
     assert [r["loss"] for r in log] == pytest.approx(five, rel=1e-4)  # 05's own log of the same steps
+    assert not (tmp_path / "checkpoints").exists()  # the arm's checkpoints go once it is trained
 
 
 def test_retrain_reproduces_stage_05_weights_with_muon(tmp_path):
@@ -50,21 +55,11 @@ def test_retrain_reproduces_stage_05_weights_with_muon(tmp_path):
     run = eagle_tiny.make_run(tmp_path)
     cfg = eagle_tiny.stage_config(run, tmp_path / "target", optimizer="muon")
     train.run(cfg)
-    recipe, shared = retrain.load_recipe(run)
-    tr = retrain.Trainer(recipe, shared)
+    tr = retrain.Trainer(*retrain.load_recipe(run))
     seqs, _, _ = tr.sequences(run)
-    drafter, _ = tr.train(seqs, retrain.full_steps(tr.p, 0), cfg.stage.warmup_steps)
+    drafter, _ = tr.train(seqs, tr.full_steps(seqs), cfg.stage.warmup_steps, tmp_path / "arm", "arm")
     for key, v in load_drafter(run / "drafter" / "final").state_dict().items():
         torch.testing.assert_close(drafter.state_dict()[key], v, rtol=1e-5, atol=1e-6)
-
-
-def test_lr_schedule_warmup_then_cosine():
-    f = [retrain.lr_factor(s, 10, 2, 0.1) for s in range(10)]
-    assert (
-        f[:2] == [0.5, 1.0]
-        and f[2] == pytest.approx(1.0)
-        and f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 7 / 8)))
-    )
 
 
 def test_subsets_nested_stratified_and_never_heldout(trained):

@@ -1,0 +1,51 @@
+"""eagle_lib.drafter.recipe: the one schedule and step layout that 05 and 07 train with."""
+
+import pytest
+import torch
+
+from eagle_lib.drafter import recipe
+
+
+@pytest.mark.parametrize(("total", "warmup", "ratio"), [(10, 2, 0.1), (40, 5, 0.0), (7, 7, 0.3)])
+def test_schedule_equals_torchs_linear_warmup_then_cosine(total, warmup, ratio):
+    """Reference: torch's own LinearLR (warmup) followed by CosineAnnealingLR (eta_min = ratio x lr)."""
+    lr = 0.5
+    ours = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    ref = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    (mine,) = recipe.schedules([ours], recipe.Params(min_lr_ratio=ratio, warmup_steps=warmup), total)
+    parts = [torch.optim.lr_scheduler.LinearLR(ref, 1 / warmup, 1.0, total_iters=max(1, warmup - 1))]
+    if total > warmup:
+        parts.append(torch.optim.lr_scheduler.CosineAnnealingLR(ref, total - warmup, eta_min=ratio * lr))
+    theirs = (
+        torch.optim.lr_scheduler.SequentialLR(ref, parts, milestones=[warmup]) if len(parts) > 1 else parts[0]
+    )
+    got, want = [], []
+    for _ in range(total):
+        got.append(mine.get_last_lr()[0])
+        want.append(theirs.get_last_lr()[0])
+        ours.step(), ref.step(), mine.step(), theirs.step()
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize(("world", "accum"), [(1, 1), (2, 2), (8, 4)])
+def test_ranks_of_a_step_take_what_one_process_takes(world, accum):
+    """The world x accum micro-batches of a step, over all ranks, are those of one process with accum x world:
+    disjoint, consecutive, and every step's follow the previous step's."""
+    one = recipe.single_process(recipe.Params(grad_accum=accum), world)
+    assert one.grad_accum == world * accum and one.nproc_per_node == 1
+    seen = []
+    for step in range(3):
+        ranks = [list(recipe.micro_batches(step, r, world, accum)) for r in range(world)]
+        assert sum(ranks, []) == list(recipe.micro_batches(step, 0, 1, one.grad_accum))
+        seen += sum(ranks, [])
+    assert seen == list(range(3 * world * accum))
+
+
+def test_the_step_count_is_the_same_for_any_split_of_the_global_batch():
+    p = recipe.Params(max_steps=0, epochs=2, grad_accum=4)
+    assert (
+        recipe.total_steps(p, 100, 8)
+        == 2 * 100 // 32
+        == recipe.total_steps(recipe.single_process(p, 8), 100, 1)
+    )
+    assert recipe.total_steps(p.model_copy(update={"max_steps": 5}), 100, 8) == 5
