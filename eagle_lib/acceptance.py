@@ -246,12 +246,12 @@ def _online(
     """({temperature: raw online results per dataset}, live checks): a given server, or a local vLLM CPU server
     on the export."""
     from eagle_lib import models
-    from eagle_lib.serving import online
+    from eagle_lib.serving import live, online
 
     url = p.online_url.rstrip("/")
     if p.online_engine == "sglang" or url:
         raw = online.measure(p, shared.seed, url, p.online_model, prompts)
-        return raw, online.live_checks(p, url, exports[p.online_format], raw)
+        return raw, live.live_checks(p, url, exports[p.online_format], raw)
     from eagle_lib.engines.vllm_server import start_vllm
 
     spec = {"method": "eagle3", "model": str(exports[p.online_format]), "num_speculative_tokens": p.num_steps}
@@ -265,7 +265,7 @@ def _online(
         env={"VLLM_SERVER_DEV_MODE": "1"},  # exposes /server_info: the live preflight reads its spec config
     ) as srv:
         raw = online.measure(p, shared.seed, srv.base_url, srv.model, prompts)
-        return raw, online.live_checks(p, srv.base_url, exports[p.online_format], raw)
+        return raw, live.live_checks(p, srv.base_url, exports[p.online_format], raw)
 
 
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:

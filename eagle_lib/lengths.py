@@ -23,15 +23,11 @@ import numpy as np
 import pandas as pd
 
 from eagle_lib import store
-from eagle_lib.analysis.projection import b_plan as b_plan  # re-exported: the projection's API
-from eagle_lib.analysis.projection import bootstrap_remaining as bootstrap_remaining
-from eagle_lib.analysis.projection import projection, timeline
-from eagle_lib.analysis.scan import Lengths, find_sources, scan_all
-from eagle_lib.analysis.scan import scan_dataset as scan_dataset  # the reader's API, re-exported here
-from eagle_lib.analysis.scan import scan_file as scan_file
-from eagle_lib.analysis.scan import scan_record as scan_record
-from eagle_lib.analysis.scan import scan_response as scan_response
-from eagle_lib.params import Strict
+from eagle_lib.length_study.projection import projection, timeline
+from eagle_lib.length_study.scan import Lengths, find_sources, scan_all
+from eagle_lib.length_study.settings import (
+    Params,  # this stage's params model (params.STAGES reads lengths.Params)
+)
 from eagle_lib.store import write_json
 
 QUANTILES = (10, 50, 90, 99)
@@ -42,30 +38,6 @@ VIEWS = {  # the answering columns of the wide tables shown in the notebook
                    "projected", "lo", "hi", "naive_projected", "shift"],
     "tokens": ["kind", "dataset", "samples", "prompt_tokens", "trainable_tokens", "trainable_share"],
 }  # fmt: skip
-
-
-class Params(Strict):
-    """Stage 04 parameters: the end-of-thinking token, the planned sample counts and the verdict thresholds."""
-
-    end_of_thinking_token: str = "</think>"  # token that ends reasoning, resolved with the target tokenizer
-    end_of_thinking_id: int = -1  # its id, if known (skips loading the tokenizer); -1: resolve the token
-    infer_limit: int = 0  # 03's `limit` (first N prompts per dataset) while it runs; 0: all prompts
-    datasets: list[str] = []  # analyse only these dataset names (A and B); empty: every dataset found
-    short_tokens: int = 32  # completions shorter than this count as short (bimodality summary)
-    max_short_share: float = 0.25  # warn when more samples than this are short
-    max_limit_share: float = 0.05  # warn when more samples than this ended at the limit (truncated)
-    min_reasoning_tokens: int = 3  # a sample reasons if a turn thinks this many tokens (<think></think> is 2)
-    reasoning_min_share: float = 0.5  # reasoning dataset: this share of its uncut samples reasons
-    p99_limit_fraction: float = 0.98  # warn when a reasoning dataset's p99 reaches this fraction of the limit
-    min_median_ratio: float = 0.1  # warn when a median is below this fraction of the median of peers' medians
-    min_samples_to_project: int = 30  # fewer completed samples than this: no projection, flagged
-    bootstrap_reps: int = 2000  # bootstrap replicates of the projection interval
-    as_of: float = 0.0  # unix time the mid-run estimate describes; 0: the last start or finish in 03's files
-    censor_rate_quantile: float = 0.1  # in-flight lower bound: this quantile of a server's tokens/s x elapsed
-    typical_rate_quantile: float = 0.5  # ...and what it has typically produced (the in-flight prediction)
-    timeline_points: int = 8  # moments at which the estimate is recomputed for the "against time" plot
-    interval: float = 0.95  # coverage of the projection interval
-    block_bytes: int = 16777216  # bytes read per block while streaming a record file
 
 
 # ---------------------------------------------------------------- statistics
@@ -173,7 +145,7 @@ class LengthReport:
     @property
     def answer_text(self) -> str:
         """The report's first line: a sentence with the numbers (tokens, truncation, what to do)."""
-        from eagle_lib.analysis.verdicts import answer
+        from eagle_lib.length_study.verdicts import answer
 
         return answer(self)
 
@@ -237,7 +209,7 @@ def _write_csv(df: pd.DataFrame, path: Path) -> None:
 
 def run(cfg) -> LengthReport:
     """Stage 04: scan, tabulate, project, judge, plot; writes analysis/ (meta.json last). Inputs are read only."""
-    from eagle_lib.analysis.verdicts import make_figures, verdicts
+    from eagle_lib.length_study.verdicts import make_figures, verdicts
 
     t0 = time.time()
     p, run_dir = cfg.stage, Path(cfg.run_dir)

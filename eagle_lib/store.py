@@ -2,7 +2,7 @@
 
 Records are JSON lines. Writers append whole batches and fsync, so a crash leaves at most one torn last
 line; the next append truncates it before writing, and readers skip it (the same rules as 04's byte scanner,
-:mod:`eagle_lib.analysis.scan`); a bad line in the middle is real corruption and an error.
+:mod:`eagle_lib.length_study.scan`); a bad line in the middle is real corruption and an error.
 """
 
 from __future__ import annotations
@@ -189,3 +189,22 @@ def is_heldout(sample_id: str, percent: float) -> bool:
     """Deterministic held-out split by id hash: the same id is held out in every stage and run."""
     h = int.from_bytes(hashlib.sha256(str(sample_id).encode()).digest()[:8], "big")
     return (h % 10_000) < percent * 100
+
+
+def iter_lines(path: Path, block: int) -> Iterator[tuple[int, bytes, bool]]:
+    """(line number, line, ended by a newline) up to the file's size when opened: a growing file is not chased."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        carry, lineno, left = b"", 0, size
+        while left > 0:
+            buf = f.read(min(block, left))
+            if not buf:
+                break
+            left -= len(buf)
+            lines = (carry + buf).split(b"\n")
+            carry = lines.pop()
+            for line in lines:
+                lineno += 1
+                yield lineno, line, True
+        if carry:
+            yield lineno + 1, carry, False

@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
 from eagle_lib import params, store
 from eagle_lib.drafter import recipe
-from eagle_lib.drafter.recipe import Params  # the params model of this stage (params.STAGES reads train.Params)
+from eagle_lib.drafter.recipe import Params  # noqa: F401  (this stage's params model: params.STAGES reads it)
 
 STAGE = "05_train_eagle3"
+
+
 def fingerprint(cfg: params.StageConfig) -> str:
     return recipe.fingerprint(cfg.stage, cfg.shared)
 

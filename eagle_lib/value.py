@@ -11,14 +11,14 @@ not training seeds.
    tokens; steps proportional to the tokens (``steps: proportional``, 05's epochs: each token is seen as often
    as in 05, the way a larger regeneration would be trained) or 05's step count for all (``fixed``). The
    fraction-1 point is 05's own drafter when it equals what the recipe gives (``reuse_05_drafter``). A
-   saturating fit tau = a - b x^-c (`eagle_lib.analysis.curve`) gives projections, tokens for ``target_tau``
+   saturating fit tau = a - b x^-c (`eagle_lib.data_value.curve`) gives projections, tokens for ``target_tau``
    and the verdict.
 2. Which data: leave-one-out at an equal token budget (``lodo_fraction`` of 05's tokens): each unit (a dataset,
    or a domain group from ``lodo_units``) removed, the rest scaled up to the budget, against all datasets at the
    same budget. Value of a unit for an eval set = tau(with) - tau(without).
 3. Regenerated vs original: the same training prompts of ``original_datasets`` with the target's regenerated
    responses vs the datasets' own, cut to equal tokens.
-4. Multi-turn vs single-turn regeneration (`eagle_lib.analysis.value_multiturn`): every turn of the multi-turn
+4. Multi-turn vs single-turn regeneration (`eagle_lib.data_value.value_multiturn`): every turn of the multi-turn
    B conversations answered by the target vs their first turn only, at equal tokens, on held-out first- and
    later-turn prompts (07 regenerates a bounded number each_turn when 03 did not).
 
@@ -37,7 +37,7 @@ from pydantic import model_validator
 from eagle_lib import params, store
 
 if TYPE_CHECKING:
-    from eagle_lib.analysis.value_tables import Result
+    from eagle_lib.data_value.value_tables import Result
 
 STAGE = "07_data_value"
 _ORIGINALS = ["sharegpt", "ultrachat", "openthoughts_114k", "openthoughts3", "mot", "opencodeinstruct"]
@@ -112,9 +112,9 @@ def run(cfg: params.StageConfig) -> Result:
     """The whole stage: the studies the params ask for, their tables and plots, value/meta.json."""
     import pandas as pd
 
-    from eagle_lib.analysis import value_multiturn as mturn
-    from eagle_lib.analysis import value_study as study
-    from eagle_lib.analysis import value_tables as tables
+    from eagle_lib.data_value import value_multiturn as mturn
+    from eagle_lib.data_value import value_study as study
+    from eagle_lib.data_value import value_tables as tables
 
     p, started = cfg.stage, time.time()
     st = study.Study(cfg)

@@ -37,21 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from eagle_lib.data import chat_spans
+from eagle_lib.data.chat_spans import ChatError, Probe, call_pieces, content_of  # noqa: F401  (chat.ChatError)
+
 Turns = Literal["all", "last", "each"]
-
-
-class ChatError(ValueError):
-    """A conversation the template or tokenizer cannot render into an exact mask (message says why)."""
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What opens and closes an assistant turn in this template's renders."""
-
-    header: str  # e.g. "<|im_start|>assistant\n"; "" for templates with no assistant header (Mistral [INST])
-    ends: tuple[str, ...]  # end-of-turn strings: after the final turn, after a history turn (harmony differs)
-    drops_history_reasoning: bool = False  # reasoning of turns before a later user turn is not rendered
-    history_header: str = ""  # what precedes a history turn's content, when it is less than the prompt
 
 
 @dataclass
@@ -75,26 +64,10 @@ def shift_labels(input_ids: list[int], loss_mask: list[int]) -> tuple[list[int],
     return input_ids[:-1], input_ids[1:], loss_mask[1:]
 
 
-def content_of(msg: dict) -> str:
-    c = msg.get("content")
-    return c if isinstance(c, str) else ""
-
-
-def call_pieces(msg: dict) -> list[str]:
-    """Tool-call names and argument strings, in order: each must be rendered inside the turn."""
-    out = []
-    for tc in msg.get("tool_calls") or []:
-        fn = tc.get("function", tc)
-        out += [s for s in (fn.get("name", ""), fn.get("arguments", "")) if isinstance(s, str) and s]
-    return out
-
-
 class ChatEncoder:
     """Renders and tokenizes conversations for one tokenizer + template (probe computed once)."""
 
     def __init__(self, tokenizer: Any, template_kwargs: dict | None = None, verify_pieces: bool = True):
-        from eagle_lib.data import chat_spans
-
         if not getattr(tokenizer, "chat_template", None):
             raise ChatError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template")
         self.tok = tokenizer
@@ -167,8 +140,6 @@ class ChatEncoder:
 
     def spans_of(self, text: str, messages: list[dict], tools: list | None = None) -> tuple[list, str]:
         """(character spans of the assistant turns in ``text``, "scan" | "fallback"); ChatError if unverifiable."""
-        from eagle_lib.data import chat_spans
-
         for i, m in enumerate(messages):
             if m["role"] == "assistant" and not (
                 content_of(m).strip() or m.get("reasoning_content") or m.get("tool_calls")

@@ -4,9 +4,37 @@ fallback. Character spans only; :mod:`eagle_lib.data.chat` turns them into token
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from eagle_lib.data.chat import ChatError, Probe, call_pieces, content_of
+
+class ChatError(ValueError):
+    """A conversation the template or tokenizer cannot render into an exact mask (message says why)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What opens and closes an assistant turn in this template's renders."""
+
+    header: str  # e.g. "<|im_start|>assistant\n"; "" for templates with no assistant header (Mistral [INST])
+    ends: tuple[str, ...]  # end-of-turn strings: after the final turn, after a history turn (harmony differs)
+    drops_history_reasoning: bool = False  # reasoning of turns before a later user turn is not rendered
+    history_header: str = ""  # what precedes a history turn's content, when it is less than the prompt
+
+
+def content_of(msg: dict) -> str:
+    c = msg.get("content")
+    return c if isinstance(c, str) else ""
+
+
+def call_pieces(msg: dict) -> list[str]:
+    """Tool-call names and argument strings, in order: each must be rendered inside the turn."""
+    out = []
+    for tc in msg.get("tool_calls") or []:
+        fn = tc.get("function", tc)
+        out += [s for s in (fn.get("name", ""), fn.get("arguments", "")) if isinstance(s, str) and s]
+    return out
+
 
 Span = tuple[int, int]
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from eagle_lib import params
 from eagle_lib.data import readers
+from eagle_lib.data.readers import Malformed  # noqa: F401  (formats.Malformed: adapters raise it)
 
 Adapter = Literal["glaive", "mot", "openthoughts", "swe_agent", "opencodeinstruct", "sharegpt", "ultrachat",
                   "openai", "pretokenized"]  # fmt: skip
@@ -42,10 +43,6 @@ class Source(params.Strict):
     max_read: int = 0  # stop after reading this many rows (0: all)
     drop_system: bool = False  # drop system messages (e.g. OpenThoughts' format-forcing system prompt)
     target_only: bool = False  # swe_agent: keep only trajectories whose `target` is true (resolved runs)
-
-
-class Malformed(ValueError):
-    """A row that does not follow its schema: rejected (written to rejects.jsonl with the reason)."""
 
 
 class Skip(Exception):

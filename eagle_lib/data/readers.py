@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 
+class Malformed(ValueError):
+    """A row that does not follow its schema: rejected (written to rejects.jsonl with the reason)."""
+
+
 def is_hub_id(path: str) -> bool:
     """True for strings that look like a hub dataset id ("owner/name") and are not a local file."""
     return (
@@ -52,8 +56,6 @@ def _iter_json(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            from eagle_lib.data.formats import Malformed
-
             raise Malformed(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         for i, row in enumerate(data):
             yield _checked({"file": str(path), "row": i}, row)

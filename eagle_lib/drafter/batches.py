@@ -17,7 +17,7 @@ import torch
 
 from eagle_lib import store
 from eagle_lib.data import multiturn
-from eagle_lib.drafter.hidden import seq_key
+from eagle_lib.hidden_states.hidden import seq_key
 
 
 @dataclass

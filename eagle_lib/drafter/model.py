@@ -233,7 +233,7 @@ class Eagle3Drafter(nn.Module):
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """fc: (B, T, 3H_t) concatenated aux-layer features -> (B, T, H)."""
         if aux_hidden.shape[-1] != self.fc.in_features:
-            from eagle_lib.drafter.hidden import width_error
+            from eagle_lib.hidden_states.hidden import width_error
 
             raise ValueError(
                 width_error(aux_hidden.shape[-1], self.config.target_hidden_size, "Eagle3Drafter")

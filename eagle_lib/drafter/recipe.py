@@ -49,7 +49,7 @@ class Params(params.Strict):
     hidden_dump_dir: str = (
         ""  # dir of hs_{i}.safetensors (token_ids [T], hidden_states [T, 4, H]); offline only
     )
-    # vllm (eagle_lib.drafter.engine_hidden): producers stream units into hidden_dump_dir or drafter/hidden_buffer
+    # vllm (eagle_lib.hidden_states.engine_hidden): producers stream units into hidden_dump_dir or drafter/hidden_buffer
     tensor_parallel_size: int = 1  # vLLM tensor parallel size of each producer
     num_producers: int = 1  # vLLM producers (data parallel), each with its share of max_buffer_gb
     max_buffer_gb: float = 2.0  # bound on unconsumed hidden states (+ in-flight writes) in the buffer

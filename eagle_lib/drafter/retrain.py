@@ -67,7 +67,7 @@ class Trainer:
 
     def _source(self, tgt: str):
         """(hidden source, embedding (V, H), lm_head (V, H) or None, keep(ids) filter or None)."""
-        from eagle_lib.drafter import hidden
+        from eagle_lib.hidden_states import hidden
 
         p = self.p
         if p.hidden_source == "online":
@@ -80,7 +80,7 @@ class Trainer:
             src = hidden.OfflineHidden(p.hidden_dump_dir, head, size, self.device)
             return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
         if p.hidden_source == "vllm":  # 05's kept hidden states; the missing ones from a vLLM producer
-            from eagle_lib.drafter.hidden_store import KeptSource
+            from eagle_lib.hidden_states.kept_source import KeptSource
 
             src = KeptSource(p.model_dump(), self.shared, self.hf_config, self.device)
             return src, src.embed, src.head.lm_head, None

@@ -37,12 +37,12 @@ def _source(cfg, device, hf_config, fp: str):
     if p.hidden_source == "online":
         target = models.load_target(cfg.shared, device=str(device))
         aux = p.aux_layers or Eagle3Config.from_target_config(hf_config, 1).aux_layers
-        from eagle_lib.drafter.hidden import OnlineHidden
+        from eagle_lib.hidden_states.hidden import OnlineHidden
 
         emb = target.get_input_embeddings().weight
         return OnlineHidden(target, aux), emb, target.get_output_embeddings().weight, None
     if p.hidden_source == "offline":
-        from eagle_lib.drafter import hidden
+        from eagle_lib.hidden_states import hidden
 
         if not p.hidden_dump_dir:
             raise params.ParamsError(f"{cfg.name}: hidden_source offline needs hidden_dump_dir")
@@ -52,7 +52,7 @@ def _source(cfg, device, hf_config, fp: str):
         src = hidden.OfflineHidden(p.hidden_dump_dir, head, text.hidden_size, device)
         return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
     if p.hidden_source == "vllm":
-        from eagle_lib.drafter import engine_hidden
+        from eagle_lib.hidden_states import engine_hidden
 
         return engine_hidden.make_source(cfg, device, hf_config, fp)
     raise params.ParamsError(f"{cfg.name}: hidden_source {p.hidden_source!r}: choose online, offline or vllm")

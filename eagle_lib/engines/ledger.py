@@ -83,13 +83,12 @@ def read_starts(files: list[Path], block: int = 1 << 24) -> tuple[dict[str, tupl
     Streams the bytes (as the 04 scanner does), so a ledger of millions of starts costs a second, not a
     record object per line.
     """
-    from eagle_lib.analysis.scan import iter_lines  # the 04 byte-level line reader (tolerant of torn tails)
 
     out: dict[str, tuple] = {}
     restarted: set[str] = set()  # ids started more than once (an HTTP retry, or 03 interrupted and resumed)
     nan = float("nan")
     for f in files:
-        for lineno, line, ended in iter_lines(f, block):
+        for lineno, line, ended in store.iter_lines(f, block):
             text = line.strip()
             if not text:
                 continue

@@ -20,51 +20,11 @@ import argparse
 import sys
 
 from eagle_lib.engines import client
+from eagle_lib.serving.checks import Check, same_path
 from eagle_lib.serving.online import completion_tokens, counter_delta, metrics_counters, settled_counters
-from eagle_lib.serving.preflight import Check, _same_path
 
 COLLAPSED_TAU = 1.1  # below this the server accepts almost no drafts
 PROBE_TEXT = "Write a short Python function that adds two numbers, then explain it in one sentence."
-
-
-# --- online tau against offline tau -----------------------------------------------------------------------
-COLLAPSE_CAUSES = [
-    "SGLang started with --speculative-algorithm EAGLE instead of EAGLE3: fc and the aux layers are dropped, "
-    "the drafter sees a 1 x hidden feature",
-    "vLLM --speculative-config with method 'eagle' instead of 'eagle3'",
-    "aux layer ids in the other engine's convention (SGLang eagle_config ids are layer outputs, vLLM's "
-    "top-level ids are HF hidden_states indices = +1): the drafter reads the wrong layers",
-    "vocab map not applied (d2t missing or for another vocab): drafts land on the wrong target ids",
-    "drafter trained for another target, tokenizer or chat template than the server's",
-    "speculators config without norm_before_residual: false (vLLM then assumes true)",
-    "requests sampled with temperature > 0 or penalties while tau was measured greedily offline",
-]
-
-
-def _verdict(verdict: str, message: str, causes: list[str] | None = None) -> dict:
-    return {"verdict": verdict, "message": message, "causes": causes or []}
-
-
-def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: float = 0.2) -> dict:
-    """Compare online with offline tau: verdict agree | lower | higher | collapsed | online_only | no_online,
-    a message, and the likely causes when the server accepts less."""
-    if online_tau is None or online_tau != online_tau:
-        return _verdict("no_online", "no online acceptance measured")
-    off = "" if offline_tau is None else f" while offline tau is {offline_tau:.2f}"
-    if online_tau < 1.1 and (offline_tau is None or offline_tau > 1.3):
-        msg = f"online tau {online_tau:.2f} ~ 1.0{off}: the server accepts almost no drafts"
-        return _verdict("collapsed", msg, COLLAPSE_CAUSES)
-    if offline_tau is None:
-        return _verdict("online_only", f"online tau {online_tau:.2f} (no offline tau)")
-    gap = online_tau - offline_tau
-    if abs(gap) <= tolerance:
-        return _verdict(
-            "agree", f"online tau {online_tau:.2f} agrees with offline {offline_tau:.2f} (±{tolerance})"
-        )
-    verdict = "lower" if gap < 0 else "higher"
-    msg = f"online tau {online_tau:.2f} is {verdict} than offline {offline_tau:.2f} by {abs(gap):.2f}"
-    causes = COLLAPSE_CAUSES[2:] + ["bf16/fp16 serving vs fp32 offline (near-ties flip)", "different prompts"]
-    return _verdict(verdict, msg, causes if gap < 0 else ["different prompts or stopping rules"])
 
 
 # --- the server's own account of its settings --------------------------------------------------------------
@@ -77,7 +37,7 @@ def _method_check(out: list[Check], name: str, got: str | None, want: str, eagle
 
 
 def _path_check(out: list[Check], name: str, got: str | None, drafter_dir: str) -> None:
-    ok = _same_path(str(got or ""), drafter_dir)
+    ok = same_path(str(got or ""), drafter_dir)
     out.append(Check(name, ok, str(got) if ok else f"{got!r} is not the checked drafter {drafter_dir}"))
 
 
@@ -198,6 +158,15 @@ def check_server(
     if engine == "sglang":
         return check_sglang(url, drafter_dir, num_steps, tau)
     raise ValueError(f"live preflight: engine must be vllm or sglang, got {engine!r}")
+
+
+def live_checks(p, url: str, drafter_dir, raw: dict[float, dict]) -> list[dict]:
+    """06's live checks: the running server's own account of its speculative settings against 06's params
+    ``p``, with the tau 06 measured (`online.measure`'s ``raw``) in place of the probe's."""
+    taus = [r["tau"] for per in raw.values() for r in per.values()]
+    tau = sum(taus) / len(taus) if taus else None
+    checks = check_server(p.online_engine, url, str(drafter_dir), p.num_steps, tau=tau)
+    return [c.__dict__ for c in checks]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,16 +26,9 @@ import torch
 from eagle_lib.drafter import vocab
 from eagle_lib.drafter.model import Eagle3Config, default_aux_layers
 from eagle_lib.serving import export
+from eagle_lib.serving.checks import Check, same_path
 
 VLLM_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vLLM 0.32 CPU attention backend
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    message: str
-    severity: str = "error"  # error | warning: a failed warning does not fail the preflight
 
 
 @dataclass
@@ -227,10 +220,10 @@ def check_sglang_cmd(cmd: str, drafter_dir: str, target: str) -> list[Check]:
     _check(out, "sglang --speculative-algorithm", algo == "EAGLE3", "EAGLE3", bad)
     path = f.get("--speculative-draft-model-path", "")
     bad = f"{path!r} is not the checked drafter {drafter_dir}"
-    _check(out, "sglang --speculative-draft-model-path", _same_path(path, drafter_dir), path, bad, "warning")
+    _check(out, "sglang --speculative-draft-model-path", same_path(path, drafter_dir), path, bad, "warning")
     model = f.get("--model-path", f.get("--model", ""))
     bad = f"{model!r} != target {target}"
-    _check(out, "sglang --model-path", _same_path(model, target), model, bad, "warning")
+    _check(out, "sglang --model-path", same_path(model, target), model, bad, "warning")
     steps = int(f.get("--speculative-num-steps", 0) or 0)
     topk = int(f.get("--speculative-eagle-topk", 1) or 1)
     tokens = int(f.get("--speculative-num-draft-tokens", 0) or 0)
@@ -255,7 +248,7 @@ def check_vllm_spec(spec: dict, drafter_dir: str) -> list[Check]:
     _check(
         out,
         "vllm model",
-        _same_path(str(spec.get("model", "")), drafter_dir),
+        same_path(str(spec.get("model", "")), drafter_dir),
         str(spec.get("model")),
         f"{spec.get('model')!r} is not the checked drafter {drafter_dir}",
         "warning",
@@ -263,13 +256,6 @@ def check_vllm_spec(spec: dict, drafter_dir: str) -> list[Check]:
     n = spec.get("num_speculative_tokens", 0)
     _check(out, "vllm num_speculative_tokens", isinstance(n, int) and n >= 1, f"{n}", f"{n!r}: need >= 1")
     return out
-
-
-def _same_path(a: str, b: str) -> bool:
-    if not a:
-        return False
-    pa, pb = Path(a), Path(b)
-    return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
 
 
 def launch_commands(
@@ -389,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         tp=a.tp,
     )
     if a.vllm_hidden:  # 05 hidden_source vllm: the target's vLLM class must output aux hidden states
-        from eagle_lib.drafter import vllm_preflight
+        from eagle_lib.hidden_states import vllm_preflight
 
         aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
         rep.checks += [Check(**c) for c in vllm_preflight.check(a.target, aux, a.trust_remote_code)]

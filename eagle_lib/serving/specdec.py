@@ -72,7 +72,7 @@ class TargetRunner:
     """The target with a KV cache: prefill, verify a block, crop after a rejection."""
 
     def __init__(self, model, aux_layers: list[int] | None = None):
-        from eagle_lib.drafter.hidden import LayerCapture
+        from eagle_lib.hidden_states.hidden import LayerCapture
 
         self.model = model
         self.aux_layers = aux_layers  # None: no features needed (proposers without a drafter)

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from eagle_lib import report, store
-from eagle_lib.analysis import curve
+from eagle_lib.data_value import curve
 
 
 @pytest.fixture(scope="module")

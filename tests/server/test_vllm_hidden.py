@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_lib import models, params, store, train
-from eagle_lib.drafter import engine_hidden, hidden
-from eagle_lib.drafter import hidden_buffer as hb
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.engines.vllm_server import vllm_python
+from eagle_lib.hidden_states import engine_hidden, hidden
+from eagle_lib.hidden_states import hidden_buffer as hb
 from tests.support import eagle_tiny
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -262,7 +262,7 @@ def _train_keys(cfg):
 
 
 def test_preflight_asks_the_installed_vllm_for_aux_hidden_state_support(tmp_path):
-    from eagle_lib.drafter import vllm_preflight
+    from eagle_lib.hidden_states import vllm_preflight
 
     ok = {c["name"]: c for c in vllm_preflight.check("toy://target", AUX)}
     assert all(c["ok"] for c in ok.values()), ok

@@ -9,7 +9,7 @@ import threading
 import torch
 from safetensors.torch import save_file
 
-from eagle_lib.drafter import vllm_producer
+from eagle_lib.hidden_states import vllm_producer
 
 
 def assert_matches_online(src, model, aux: list[int], batches, delay_s: float = 0.0) -> None:
@@ -17,7 +17,7 @@ def assert_matches_online(src, model, aux: list[int], batches, delay_s: float = 
     the real tokens, to 1e-4; `delay_s` before each batch plays a slow trainer."""
     import time
 
-    from eagle_lib.drafter import hidden
+    from eagle_lib.hidden_states import hidden
 
     online = hidden.OnlineHidden(model, aux)
     try:
@@ -90,7 +90,7 @@ class ThreadProducer:
 
 def patch(monkeypatch, model) -> list[ThreadProducer]:
     """Route `engine_hidden.launch` to thread producers computing with `model`; returns the started ones."""
-    from eagle_lib.drafter import engine_hidden
+    from eagle_lib.hidden_states import engine_hidden
 
     started: list[ThreadProducer] = []
     monkeypatch.setattr(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle_lib.analysis.censored import RunState
+from eagle_lib.length_study.censored import RunState
 
 LIMIT = 16384
 # name: (prompts, lognormal median of the uncut length, sigma)

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from eagle_lib.analysis import censored
-from eagle_lib.analysis.censored import CENSORED, EVENT, LIMIT, RunState
+from eagle_lib.length_study import censored
+from eagle_lib.length_study.censored import CENSORED, EVENT, LIMIT, RunState
 from tests.support.sim_run import MIXTURE, simulate
 
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from eagle_lib.analysis import curve
+from eagle_lib.data_value import curve
 
 X = np.array([1 / 8, 1 / 4, 1 / 2, 1.0])
 

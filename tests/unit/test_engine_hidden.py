@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from eagle_lib import store
-from eagle_lib.drafter import engine_hidden, hidden, vllm_producer
-from eagle_lib.drafter import hidden_buffer as hb
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.hidden_states import engine_hidden, hidden, vllm_producer
+from eagle_lib.hidden_states import hidden_buffer as hb
 from tests.support import eagle_tiny, hf_producer
 from tests.support.hf_producer import HFEngine
 

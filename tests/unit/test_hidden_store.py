@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_lib import params
-from eagle_lib.drafter import batches, engine_hidden, hidden, hidden_store
-from eagle_lib.drafter import hidden_buffer as hb
+from eagle_lib.drafter import batches
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.hidden_states import engine_hidden, hidden, hidden_store, kept_source
+from eagle_lib.hidden_states import hidden_buffer as hb
 from eagle_lib.train import Params
 from tests.support import eagle_tiny, hf_producer
 
@@ -124,7 +125,7 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     recipe = Params(
         hidden_source="vllm", hidden_dump_dir=str(tmp_path / "hs"), rows_per_batch=2, pack_len=64
     ).model_dump()
-    src = hidden_store.KeptSource(
+    src = kept_source.KeptSource(
         recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu")
     )
     with pytest.raises(RuntimeError, match="use_root"):
@@ -148,7 +149,7 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     )  # the sessions' buffers are removed
 
     run = eagle_tiny.make_run(path.parent)  # a run of this target: 07 first makes every training sequence
-    src = hidden_store.KeptSource(
+    src = kept_source.KeptSource(
         recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu")
     )
     src.use_root(run)

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eagle_lib import lengths, params, store
-from eagle_lib.analysis import scan as lengths_scan
-from eagle_lib.analysis.scan import Lengths
+from eagle_lib.length_study import projection
+from eagle_lib.length_study import scan as lengths_scan
+from eagle_lib.length_study.scan import Lengths
 from eagle_lib.lengths import Params
 
 THINK = 163607
@@ -154,7 +155,7 @@ def test_empty_line_inside_a_file_is_an_error(tmp_path):
 def test_growing_file_is_read_up_to_its_size_when_opened(tmp_path):
     f = tmp_path / "responses.jsonl"
     store.append_jsonl(f, [response(i, [1, 2]) for i in range(3)])
-    lines = lengths_scan.iter_lines(f, block=64)
+    lines = store.iter_lines(f, block=64)
     first = next(lines)
     store.append_jsonl(f, [response(i, [1]) for i in range(3, 9)])  # 03 appends while we read
     assert 1 + sum(1 for _ in lines) == 3 and first[0] == 1
@@ -305,7 +306,7 @@ def _check_row(**over):
     ],
 )
 def test_each_check_fires_on_its_threshold_and_names_its_numbers(over, peers, check, numbers):
-    from eagle_lib.analysis.verdicts import _dataset_checks
+    from eagle_lib.length_study.verdicts import _dataset_checks
 
     failed = [c for c in _dataset_checks(pd.Series(_check_row(**over)), peers, Params()) if c[3]]
     assert [c[0] for c in failed] == ([check] if check else [])
@@ -314,7 +315,7 @@ def test_each_check_fires_on_its_threshold_and_names_its_numbers(over, peers, ch
 
 
 def test_limit_mismatch_and_no_think_token_are_reported():
-    from eagle_lib.analysis.verdicts import verdicts
+    from eagle_lib.length_study.verdicts import verdicts
 
     ls = Lengths("B", "d")
     ls.add(3, 100, 0, 0, 0)
@@ -342,7 +343,7 @@ def test_top_decile_share_against_a_sort():
 
 def test_projection_of_constant_lengths_is_exact():
     x = np.full(50, 37)
-    draws = lengths.bootstrap_remaining(x, 950, 500, np.random.default_rng(0))
+    draws = projection.bootstrap_remaining(x, 950, 500, np.random.default_rng(0))
     assert np.allclose(draws, 950 * 37)
 
 
@@ -351,7 +352,7 @@ def test_projection_interval_width_matches_the_analytic_predictive_sd():
     rng = np.random.default_rng(1)
     x = rng.integers(1, 2000, 400)
     r = 1600
-    draws = lengths.bootstrap_remaining(x, r, 20_000, rng)
+    draws = projection.bootstrap_remaining(x, r, 20_000, rng)
     s2 = x.var()
     assert draws.mean() == pytest.approx(r * x.mean(), rel=2e-3)
     assert draws.std() == pytest.approx(np.sqrt(r * r * s2 / x.size + r * s2), rel=0.03)
@@ -364,7 +365,7 @@ def test_projection_interval_covers_the_final_total_95_percent_of_the_time(tmp_p
     for _ in range(trials):
         full = np.minimum(rng.lognormal(5, 1.0, 500).astype(int), 4096)
         done = full[:100]
-        draws = done.sum() + lengths.bootstrap_remaining(done, 400, 400, rng)
+        draws = done.sum() + projection.bootstrap_remaining(done, 400, 400, rng)
         lo, hi = np.percentile(draws, [2.5, 97.5])
         hits += lo <= full.sum() <= hi
     assert 0.9 <= hits / trials <= 0.99
@@ -376,11 +377,11 @@ def test_planned_counts_come_from_02_capped_by_03_and_finished_runs_are_final(tm
     store.write_json(ds / "b" / "meta.json", {"kept": 40})
     store.write_json(ds / "c" / "meta.json", {"kept": 40})
     store.write_json(tmp_path / "infer" / "c" / "meta.json", {"read": 12, "kept": 11, "finished": 5.0})
-    assert lengths.b_plan(tmp_path, "a") == (7, False)
-    assert lengths.b_plan(tmp_path, "b") == (40, False)
-    assert lengths.b_plan(tmp_path, "b", infer_limit=25) == (25, False)
-    assert lengths.b_plan(tmp_path, "c") == (12, True)
-    assert lengths.b_plan(tmp_path, "missing") == (None, False)
+    assert projection.b_plan(tmp_path, "a") == (7, False)
+    assert projection.b_plan(tmp_path, "b") == (40, False)
+    assert projection.b_plan(tmp_path, "b", infer_limit=25) == (25, False)
+    assert projection.b_plan(tmp_path, "c") == (12, True)
+    assert projection.b_plan(tmp_path, "missing") == (None, False)
 
 
 def test_too_few_samples_are_flagged_not_projected(tmp_path):

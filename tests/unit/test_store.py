@@ -28,7 +28,7 @@ def _a_records(n: int) -> list[dict]:
 
 def _scanner_view(path) -> tuple[int, int]:
     """(records, torn) as 04's byte scanner counts them: the other reader that must agree."""
-    from eagle_lib.analysis.scan import Lengths, scan_file
+    from eagle_lib.length_study.scan import Lengths, scan_file
 
     out = scan_file(path, Lengths(kind="A", name="t"), None, set())
     return out.read - out.torn - out.duplicates, out.torn
@@ -67,7 +67,7 @@ def test_legacy_terminated_fragment_in_the_middle_is_skipped_by_both_readers(tmp
 
 def test_fragment_ending_in_brace_in_the_middle_is_corruption_for_both_readers(tmp_path):
     """What the old writer produced from a tail torn after an inner }: now an error in both, never silent."""
-    from eagle_lib.analysis.scan import Lengths, scan_file
+    from eagle_lib.length_study.scan import Lengths, scan_file
 
     p = tmp_path / "bad.jsonl"
     a, c = (json.dumps(r, ensure_ascii=False) for r in _a_records(2))

@@ -2,7 +2,6 @@
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -141,7 +140,7 @@ def test_teacher_forced_sums_equal_ttt_chain_tau(trained):
 
 def test_a_reused_drafters_cached_decode_is_keyed_by_its_weights(tmp_path):
     """07 reuses 05's final/ as the full-data point; after 05 retrains there, the cached tau must not be reused."""
-    from eagle_lib.analysis import value_study
+    from eagle_lib.data_value import value_study
 
     d = tmp_path / "final"
     d.mkdir()

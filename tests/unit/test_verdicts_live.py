@@ -4,7 +4,7 @@ the run ends is the point of a mid-run report); undetermined when only the inter
 
 import pytest
 
-from eagle_lib.analysis.verdicts import COLUMNS, _live_checks
+from eagle_lib.length_study.verdicts import COLUMNS, _live_checks
 from eagle_lib.lengths import Params
 
 

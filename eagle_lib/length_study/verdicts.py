@@ -19,8 +19,8 @@ import seaborn as sns
 from eagle_lib import report
 
 if TYPE_CHECKING:
-    from eagle_lib.analysis.scan import Lengths
-    from eagle_lib.lengths import Params
+    from eagle_lib.length_study.scan import Lengths
+    from eagle_lib.length_study.settings import Params
 
 POINTS = 512  # quantiles drawn per ECDF curve
 
@@ -64,10 +64,14 @@ def _live_checks(name: str, est: dict, p: Params) -> list[tuple]:
             )
         elif level == "undetermined" and check == "truncation" and est.get("outlived", (0.0,))[0] > thr:
             share, p90 = est["outlived"]  # more of the run than the threshold is still running past the bulk
-            level, verdict, advice = "warn", (
-                f"undetermined yet, a long tail is forming ({share:.0%} of the started requests are still running "
-                f"past {p90:.0f} tokens, longer than 90% of the finished ones): "
-            ), f": if the tail reaches the limit, {fix}"
+            level, verdict, advice = (
+                "warn",
+                (
+                    f"undetermined yet, a long tail is forming ({share:.0%} of the started requests are still running "
+                    f"past {p90:.0f} tokens, longer than 90% of the finished ones): "
+                ),
+                f": if the tail reaches the limit, {fix}",
+            )
         elif level == "undetermined":
             verdict, advice = "undetermined yet: ", ""
         model = est.get("point_model", "")
@@ -315,6 +319,7 @@ def answer(report) -> str:
             else "raise max_new_tokens (B) / 01's max_seq_len (A)"
         )
         parts.append(f"{len(trunc)} dataset(s) cut at the limit in > {thr} of samples ({names}): {fix}")
+
     def listed(rows) -> str:
         est = {d: report.estimates[d]["share_at_limit"] for d in rows.dataset}
         return ", ".join(f"B/{d} (estimate {pt:.0%}, {lo:.0%}-{hi:.0%})" for d, (pt, lo, hi) in est.items())

@@ -381,7 +381,9 @@ def estimate(s: RunState, reps: int = 400, interval: float = 0.95, short: int = 
         for q in ("share_at_limit", "share_short"):
             _, q_lo, q_hi = res[q]
             res[q] = (float(np.clip(model[q], q_lo, q_hi)), q_lo, q_hi)
-        res["point_model"] = f"lognormal fit (mu {model['mu']:.2f}, sigma {model['sigma']:.2f} of log(tokens + 1))"
+        res["point_model"] = (
+            f"lognormal fit (mu {model['mu']:.2f}, sigma {model['sigma']:.2f} of log(tokens + 1))"
+        )
     return res
 
 

@@ -2,14 +2,14 @@
 
 Run with the vLLM venv's interpreter (it pins its own torch), by the stage or by hand on a cluster::
 
-    .venv-vllm/bin/python -m eagle_lib.drafter.vllm_producer --buffer DIR [--index i --count n]
+    .venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer DIR [--index i --count n]
 
 ``DIR`` holds ``producer_config.json``, ``sequences.jsonl`` and ``plan.json`` written by the trainer
-(`eagle_lib.drafter.engine_hidden`; layout in `eagle_lib.drafter.hidden_buffer`). Every planned sequence is
+(`eagle_lib.hidden_states.engine_hidden`; layout in `eagle_lib.hidden_states.hidden_buffer`). Every planned sequence is
 one vLLM request with ``max_tokens=1`` (prefill only, no decoding); the speculative method
 ``extract_hidden_states`` captures the configured layers (HF ``hidden_states`` indices; id L = the last
 layer before the final norm) and a KV connector writes them per request: vLLM's own
-``ExampleHiddenStatesConnector`` on GPU, `eagle_lib.drafter.vllm_connector` on CPU. The producer regroups
+``ExampleHiddenStatesConnector`` on GPU, `eagle_lib.hidden_states.vllm_connector` on CPU. The producer regroups
 them into one file per unit, cast to the storage dtype (float8 with a per-row scale, `hidden_buffer.encode`);
 a unit planned empty (all its sequences kept) is never made. Imports nothing of the main venv beyond the
 stdlib-only buffer protocol and the connector.
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_lib.drafter import hidden_buffer as hb
+from eagle_lib.hidden_states import hidden_buffer as hb
 
 
 class VllmPrefill:
@@ -36,7 +36,7 @@ class VllmPrefill:
         from vllm import LLM
 
         if cfg["connector"] == "cpu":
-            from eagle_lib.drafter import vllm_connector
+            from eagle_lib.hidden_states import vllm_connector
 
             conn = {"kv_connector": vllm_connector.CLASS, "kv_connector_module_path": vllm_connector.MODULE}
         else:  # vLLM's own (CUDA streams, pinned memory, a writer thread pool)
@@ -231,7 +231,9 @@ class Producer:
             final = self.buf / hb.unit_name(u)
             part = final.with_suffix(".part")
             save_file(tensors, str(part), metadata={"layer_ids": json.dumps(self.cfg["layer_ids"])})
-            size = part.stat().st_size  # before the rename: a consumer may take the unit at once (07's kept store)
+            size = (
+                part.stat().st_size
+            )  # before the rename: a consumer may take the unit at once (07's kept store)
             os.replace(part, final)
             self.ledger.add(u, size)
             self.stats["tokens"] += sum(lengths)

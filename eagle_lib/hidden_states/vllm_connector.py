@@ -1,7 +1,7 @@
 """A KV connector for vLLM's ``extract_hidden_states`` method that writes synchronously (runs on CPU).
 
 Runs inside the vLLM engine (its own venv), loaded with ``kv_transfer_config={"kv_connector":
-"CpuHiddenStatesConnector", "kv_connector_module_path": "eagle_lib.drafter.vllm_connector", ...}``.
+"CpuHiddenStatesConnector", "kv_connector_module_path": "eagle_lib.hidden_states.vllm_connector", ...}``.
 
 vLLM's ``ExampleHiddenStatesConnector`` copies the cached hidden states with a CUDA stream into pinned host
 memory and writes from a thread pool, so on a CPU-only machine the first write fails ("pin_memory=True

@@ -20,14 +20,13 @@ import multiprocessing
 import os
 from array import array
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from eagle_lib.store import RecordError
+from eagle_lib.store import RecordError, iter_lines
 
 _NAN = float("nan")
 
@@ -218,25 +217,6 @@ def scan_record(line: bytes, tok: bytes | None) -> tuple:
     _check(rec, "n_trainable", trainable)
     reasoning, span = _turn_reasoning(mask, _id_positions(line, i_span, tok, first=False) if tok else [])
     return rec.get("id"), None, n - trainable, trainable, reasoning, span, int(bool(rec.get("truncated")))
-
-
-def iter_lines(path: Path, block: int) -> Iterator[tuple[int, bytes, bool]]:
-    """(line number, line, ended by a newline) up to the file's size when opened: a growing file is not chased."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        carry, lineno, left = b"", 0, size
-        while left > 0:
-            buf = f.read(min(block, left))
-            if not buf:
-                break
-            left -= len(buf)
-            lines = (carry + buf).split(b"\n")
-            carry = lines.pop()
-            for line in lines:
-                lineno += 1
-                yield lineno, line, True
-        if carry:
-            yield lineno + 1, carry, False
 
 
 def _timing(out: Lengths, rec: dict, started: tuple | None) -> None:

@@ -3,9 +3,9 @@
 The trainer's calls to its hidden source are a pure function of the settings: micro-batch ``m`` of
 `eagle_lib.drafter.batches.BatchStream` for each step of this rank, then the held-out batches of the final
 evaluation. `plan` lists them as units (unit u = the u-th call); producers
-(`eagle_lib.drafter.vllm_producer`, vLLM's venv) fill the buffer ahead of the trainer, at most
-``max_buffer_gb`` (`eagle_lib.drafter.hidden_buffer`), and the trainer deletes each unit after use unless
-``keep_hidden_states``, which moves it into the per-sequence store (`eagle_lib.drafter.hidden_store`). A
+(`eagle_lib.hidden_states.vllm_producer`, vLLM's venv) fill the buffer ahead of the trainer, at most
+``max_buffer_gb`` (`eagle_lib.hidden_states.hidden_buffer`), and the trainer deletes each unit after use unless
+``keep_hidden_states``, which moves it into the per-sequence store (`eagle_lib.hidden_states.hidden_store`). A
 sequence kept there (by any earlier run on the same target, layers and dtypes), or kept by an earlier unit of
 this plan, is read from the store and not produced: a unit's planned sequences are only its missing ones, and
 no producer starts when none is missing. Resuming from checkpoint step s starts at unit ``s * grad_accum``:
@@ -14,7 +14,7 @@ sequence is used once per epoch.
 
 Each unit holds, per token, the layers ``layer_ids`` (HF hidden_states indices, sorted: our 0-based aux
 decoder layer i is id i + 1, and id L is the last layer before the final norm). ``__call__`` returns the
-contract of `eagle_lib.drafter.hidden`: aux (B, T, 3H) and logits (B, T, V) = the target's final norm +
+contract of `eagle_lib.hidden_states.hidden`: aux (B, T, 3H) and logits (B, T, V) = the target's final norm +
 lm_head (`TargetHead`, loaded alone from the checkpoint) applied to layer L.
 """
 
@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from eagle_lib import models, store
-from eagle_lib.drafter import batches, checkpoints, distributed, hidden, hidden_store
-from eagle_lib.drafter import hidden_buffer as hb
+from eagle_lib.drafter import batches, checkpoints, distributed
+from eagle_lib.hidden_states import hidden, hidden_store
+from eagle_lib.hidden_states import hidden_buffer as hb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,7 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool) -> subprocess.Pop
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     if cpu:
         env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
-    cmd = [str(py), "-m", "eagle_lib.drafter.vllm_producer", "--buffer", str(buf)]
+    cmd = [str(py), "-m", "eagle_lib.hidden_states.vllm_producer", "--buffer", str(buf)]
     cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{session}"]
     with open(buf / f"producer_{i}.log", "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eagle_lib.analysis import curve as curves
+from eagle_lib.data_value import curve as curves
 
 
 @dataclass

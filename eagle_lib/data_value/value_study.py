@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 
 from eagle_lib import models, params, store
-from eagle_lib.analysis import curve as curves
-from eagle_lib.analysis import value_tables as tables
 from eagle_lib.data import subsets
+from eagle_lib.data_value import curve as curves
+from eagle_lib.data_value import value_tables as tables
 from eagle_lib.drafter import retrain
 from eagle_lib.serving import heldout_tau
 

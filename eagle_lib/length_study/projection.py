@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from eagle_lib.analysis import censored
-from eagle_lib.analysis.scan import Lengths, iter_lines
-from eagle_lib.store import read_json
+from eagle_lib.length_study import censored
+from eagle_lib.length_study.scan import Lengths
+from eagle_lib.store import iter_lines, read_json
 
 if TYPE_CHECKING:
-    from eagle_lib.lengths import Params
+    from eagle_lib.length_study.settings import Params
 
 
 def bootstrap_remaining(

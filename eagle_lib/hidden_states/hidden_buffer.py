@@ -12,7 +12,7 @@ One buffer directory per plan (``<root>/<plan key>/rank<r>/``)::
     STOP, STOP.<session>   stop every producer (by hand) / those one trainer session started
 
 Producer ``i`` of ``n`` makes the non-empty units ``u % n == i`` in order (a unit whose sequences are all
-kept, `eagle_lib.drafter.hidden_store`, is planned empty and never made). A unit's file appears by rename, so a file that
+kept, `eagle_lib.hidden_states.hidden_store`, is planned empty and never made). A unit's file appears by rename, so a file that
 exists is complete; the trainer deletes it after use unless ``keep_hidden_states``. Each producer may hold at
 most ``max_buffer_bytes / n`` of unconsumed units plus its in-flight reservation (the engine's per-request
 scratch file and the shard being written); it blocks before starting work that would exceed that.

@@ -22,8 +22,8 @@ from collections import Counter
 from pathlib import Path
 
 from eagle_lib import models, store
-from eagle_lib.analysis import value_tables as tables
 from eagle_lib.data import formats, multiturn, subsets
+from eagle_lib.data_value import value_tables as tables
 from eagle_lib.drafter.batches import Sequence
 from eagle_lib.engines import turns
 from eagle_lib.serving import heldout_tau
@@ -215,7 +215,7 @@ def study(st, p):
 
 def _later(s, p, seed: int) -> dict:
     """The later-turn prompts of every dataset pooled (resampled within datasets), as one more row "later"."""
-    from eagle_lib.analysis import curve as curves
+    from eagle_lib.data_value import curve as curves
 
     cols = [k for k, d in enumerate(s.datasets) if d.endswith(":later")]
     if not cols:

@@ -10,7 +10,7 @@ next-token logits there.
   ``token_ids`` [T] and ``hidden_states`` [T, 4, H] (3 aux layers + the last layer); logits come from the
   target's final norm and lm_head applied to the last layer (`TargetHead`, loaded alone from the target's
   safetensors). Dumps are matched to training sequences by their token ids.
-* `eagle_lib.drafter.engine_hidden.VllmHidden` (``hidden_source: vllm``): vLLM prefill streamed through a
+* `eagle_lib.hidden_states.engine_hidden.VllmHidden` (``hidden_source: vllm``): vLLM prefill streamed through a
   bounded buffer; logits through `TargetHead` as for dumps.
 """
 
