@@ -203,7 +203,7 @@ class LiveStandIn(BaseHTTPRequestHandler):
 
     info: dict = {}
     paths: set = set()
-    counters = {"drafts": 0.0, "accepted": 0.0}
+    counters = {"drafts": 0.0, "accepted": 0.0, "generated": 0.0}
     per_step = 3
 
     def log_message(self, *a):
@@ -225,6 +225,7 @@ class LiveStandIn(BaseHTTPRequestHandler):
                 f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}\n'
                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {c["drafts"] * LiveStandIn.per_step}\n'
                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {c["accepted"]}\n'
+                f'vllm:generation_tokens_total{{engine="0"}} {c["generated"]}\n'
             )
             return self._send(text, ctype="text/plain")
         if path == "/v1/models":
@@ -237,12 +238,13 @@ class LiveStandIn(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         LiveStandIn.counters["drafts"] += 4
         LiveStandIn.counters["accepted"] += LiveStandIn.accept_per_request
-        self._send({"choices": [{"text": "x", "token_ids": [1]}]})
+        LiveStandIn.counters["generated"] += 1
+        self._send({"choices": [{"text": "x", "token_ids": [1]}], "usage": {"completion_tokens": 1}})
 
 
 @pytest.fixture
 def standin():
-    LiveStandIn.counters = {"drafts": 0.0, "accepted": 0.0}
+    LiveStandIn.counters = {"drafts": 0.0, "accepted": 0.0, "generated": 0.0}
     LiveStandIn.accept_per_request, LiveStandIn.per_step = 6.0, 3
     srv = ThreadingHTTPServer(("127.0.0.1", 0), LiveStandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
