@@ -236,10 +236,11 @@ def _steps_of(cfg, a) -> list[list[tuple[list[int], list[int]]]]:
 
 def _tau(drafter, target, tokenizer, held, a) -> dict:
     """Measured tau of one drafter: greedy speculative decoding of the held-out prompts (`drafter.measure`)."""
+    from eagle_lib import models
     from eagle_lib.drafter import measure
 
     prompts = measure.prompts_of(held, a.prompts, 1024)
-    eos = measure.stop_ids(tokenizer, target)
+    eos = models.stop_ids(tokenizer, target)
     return measure.Meter(target, drafter.config.aux_layers, prompts, a.new_tokens, a.drafts, eos)(drafter)
 
 

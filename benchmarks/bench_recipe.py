@@ -242,7 +242,7 @@ def main() -> None:
     specs = [parse_variant(v) for v in a.variants]
     shared = params.SharedParams(**yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())["shared"])
     target = models.load_target(shared, device="cpu")
-    eos = heldout_tau.stop_ids(models.load_tokenizer(shared), target)
+    eos = models.stop_ids(models.load_tokenizer(shared), target)
     prompts, _ = heldout_tau.heldout_prompts(run_dir, shared.heldout_percent, a.per_dataset, 768)
     decoder = heldout_tau.Decoder(target, prompts, a.new_tokens, a.drafts, eos)
     out = Path(a.out)

@@ -230,15 +230,6 @@ def decode_offline(
     return gens
 
 
-def eos_ids(tokenizer, target) -> list[int]:
-    """Stop ids: the tokenizer's EOS plus the target's generation_config EOS (int or list)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gc = getattr(target, "generation_config", None)
-    extra = getattr(gc, "eos_token_id", None) if gc is not None else None
-    ids |= set(extra if isinstance(extra, list) else [] if extra is None else [extra])
-    return sorted(ids)
-
-
 # --- online -------------------------------------------------------------------------------------------
 def _online(
     p: Params, shared, exports: dict[str, Path], prompts: dict[str, list[Prompt]], out: Path, max_pos: int
@@ -344,7 +335,7 @@ def run(cfg: params.StageConfig) -> Eval:
     pf = preflight_all(exports, cfg, tcfg)
     store.write_json(out / "preflight.json", pf)
     gens: list[dict] = []
-    eos = eos_ids(tok, target)
+    eos = models.stop_ids(tok, target)
     if multi and p.offline:  # later turns need the target's own answers: decoded here
         later, set_tally["later_turns"] = later_turn_prompts(multi, tok, target, p, eos)
         prompts |= later

@@ -101,3 +101,33 @@ def aux_layers_from(ids: list[int], convention: Convention) -> list[int]:
     """The inverse of :func:`layer_ids`: ids of ``convention`` -> our 0-based decoder layers."""
     shift = {"ours": 0, "sglang": 0, "hf": 1, "vllm": 1}[convention]
     return [int(i) - shift for i in ids]
+
+
+def stop_ids(tokenizer, target) -> list[int]:
+    """The stop ids 05's measurement, 06 and 07 decode with: the tokenizer's EOS plus the target's
+    generation_config EOS (int or list). (03 takes its own from its params: `infer.resolve_stop_ids`.)"""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids |= set(extra if isinstance(extra, list) else [] if extra is None else [extra])
+    return sorted(ids)
+
+
+def config_fingerprint(config) -> str:
+    """A hash of a model config without the fields that change with the machine or the library version."""
+    from eagle_lib import store
+
+    cfg = config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        cfg.pop(volatile, None)
+    return store.stable_hash(cfg)
+
+
+def weights_fingerprint(*weights) -> str:
+    """A hash of the first 64 rows of each (V, H) weight: enough to tell two checkpoints of one config apart
+    (03's target identity hashes the embedding; the kept hidden states the embedding and the lm_head)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for w in weights:
+        h.update(w[: min(64, w.shape[0])].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -204,7 +204,7 @@ def study(st, p):
         kept = [(s, q.dataset) for s, q in zip(seqs, prompts, strict=True) if s]
         dec = heldout_tau.TeacherForced(st.trainer, [s for s, _ in kept], [d for _, d in kept], p.num_steps)
     else:
-        eos = heldout_tau.stop_ids(tok, st.decoder.target)
+        eos = models.stop_ids(tok, st.decoder.target)
         dec = heldout_tau.Decoder(st.decoder.target, prompts, p.eval_max_new_tokens, p.num_steps, eos)
     st.arm("single_turn", "multiturn", base + single, decoder=dec)
     st.arm("multi_turn", "multiturn", base + multi, decoder=dec)

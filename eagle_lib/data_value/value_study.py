@@ -73,7 +73,7 @@ class Study:
             cfg.run_dir, cfg.shared.heldout_percent, p.max_prompts_per_dataset, p.max_prompt_tokens
         )
         target = getattr(self.trainer.source, "model", None) or models.load_target(cfg.shared)
-        eos = heldout_tau.stop_ids(models.load_tokenizer(cfg.shared), target)
+        eos = models.stop_ids(models.load_tokenizer(cfg.shared), target)
         return heldout_tau.Decoder(target, prompts, p.eval_max_new_tokens, p.num_steps, eos)
 
     def schedule(self, seqs: list) -> tuple[int, int]:

@@ -35,14 +35,6 @@ def prompts_of(seqs, n: int, max_prompt_tokens: int) -> list[list[int]]:
     return [found[i * len(found) // n] for i in range(n)]
 
 
-def stop_ids(tokenizer, target) -> list[int]:
-    """The tokenizer's EOS plus the target's generation_config EOS (int or list), as 06 stops."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids |= set(extra if isinstance(extra, list) else [] if extra is None else [extra])
-    return sorted(ids)
-
-
 class Meter:
     """Measures tau of a drafter on fixed prompts; ``k`` drafts per verify step (06's ``num_steps``)."""
 
@@ -112,7 +104,7 @@ def meter_for(cfg, source, held) -> tuple[Meter | None, str]:
     prompts = prompts_of(held, p.measure_prompts, p.max_seq_len)
     if not prompts:
         return None, "no held-out sequence with a prompt before its first label"
-    eos = stop_ids(models.load_tokenizer(cfg.shared), source.model)
+    eos = models.stop_ids(models.load_tokenizer(cfg.shared), source.model)
     return Meter(source.model, source.aux_layers, prompts, p.measure_new_tokens, p.measure_drafts, eos), ""
 
 

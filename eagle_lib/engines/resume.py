@@ -10,12 +10,11 @@ says how many.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from pathlib import Path
 
-from eagle_lib import store
+from eagle_lib import models, store
 
 
 class InferError(RuntimeError):
@@ -28,18 +27,13 @@ def target_identity(engine, shared, probe: dict) -> dict:
         served = sorted({str(s.get("model", "?")) for s in probe.get("servers", [])})
         return {"engine": engine.name, "model": served}
     model = engine.model
-    cfg = model.config.to_dict()
-    revision = getattr(shared, "revision", "") or cfg.pop("_commit_hash", "") or ""
-    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
-        cfg.pop(volatile, None)
-    w = model.get_input_embeddings().weight  # (V, H): a slice of it tells two checkpoints of one config apart
-    h = hashlib.sha256(w[: min(64, w.shape[0])].detach().float().cpu().numpy().tobytes())
+    revision = getattr(shared, "revision", "") or model.config.to_dict().get("_commit_hash", "") or ""
     return {
         "engine": "embedded",
         "model": shared.target,  # as configured (a local path or hub id; toy://target for the toy)
         "revision": revision,
-        "config_sha256": store.stable_hash(cfg),
-        "weights_sha256": h.hexdigest()[:16],
+        "config_sha256": models.config_fingerprint(model.config),
+        "weights_sha256": models.weights_fingerprint(model.get_input_embeddings().weight),
     }
 
 

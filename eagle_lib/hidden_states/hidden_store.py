@@ -31,18 +31,10 @@ from eagle_lib.hidden_states import hidden_buffer as hb
 def identity(target: str, hf_config, embed: torch.Tensor, lm_head: torch.Tensor, producer_cfg: dict) -> dict:
     """What kept hidden states depend on: the target (path or hub id, config, weight fingerprint), the
     captured layer ids and the model and storage dtypes (not TP, producers or the buffer bound)."""
-    import hashlib
-
-    cfg = models.text_config(hf_config).to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
-        cfg.pop(volatile, None)
-    h = hashlib.sha256()
-    for w in (embed, lm_head):  # (V, H): the first rows tell two checkpoints of one config apart
-        h.update(w[: min(64, w.shape[0])].detach().float().cpu().numpy().tobytes())
     return {
         "target": target,
-        "config_sha256": store.stable_hash(cfg),
-        "weights_sha256": h.hexdigest()[:16],
+        "config_sha256": models.config_fingerprint(models.text_config(hf_config)),
+        "weights_sha256": models.weights_fingerprint(embed, lm_head),
         **{k: producer_cfg[k] for k in ("layer_ids", "model_dtype", "storage_dtype")},
     }
 

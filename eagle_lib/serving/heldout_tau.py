@@ -96,14 +96,6 @@ class Decoder:
         return num.tolist(), den.tolist()
 
 
-def stop_ids(tokenizer, target) -> list[int]:
-    """Stop ids as 06 uses them: the tokenizer's EOS plus the target's generation_config EOS (int or list)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids |= set(extra if isinstance(extra, list) else [] if extra is None else [extra])
-    return sorted(ids)
-
-
 class TeacherForced(Decoder):
     """Held-out tau without decoding, for targets too large to run here: the TTT chain tau of each held-out
     sequence (features from the training hidden source, e.g. engine dumps). Per sequence

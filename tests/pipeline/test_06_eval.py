@@ -73,13 +73,13 @@ def test_outputs_equal_hf_greedy(ev):
     """Independent reference: transformers' own greedy generate on the toy target, first eagle3 prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle_lib import acceptance, models
+    from eagle_lib import models
     from eagle_lib.params import SharedParams
 
     torch.set_num_threads(2)
     path = models.resolve(SharedParams().target)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eos = acceptance.eos_ids(AutoTokenizer.from_pretrained(path), target)
+    eos = models.stop_ids(AutoTokenizer.from_pretrained(path), target)
     gens = store.read_jsonl(ev["dir"] / "generations.jsonl")
     prompts = _prompts(ev["run"])
     for g in [

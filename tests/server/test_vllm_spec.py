@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from eagle_lib import acceptance, models
+from eagle_lib import models
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.serving import export, live, online, specdec
 from eagle_lib.serving.sampling import Sampler
@@ -99,7 +99,7 @@ def world(tmp_path_factory):
     target.save_pretrained(wdir, safe_serialization=True)
     tok.save_pretrained(wdir)
     prompts = byte_prompts(6, seed=7)
-    eos = acceptance.eos_ids(tok, target)
+    eos = models.stop_ids(tok, target)
     greedy = [
         specdec.speculative_generate(
             specdec.TargetRunner(target), specdec.NoProposer(), ids, NEW, K, eos
