@@ -86,11 +86,6 @@ def load_config(target: str, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(resolve(target), trust_remote_code=trust_remote_code)
 
 
-def load_text_config(shared):
-    """``text_config(load_config(shared.target))``: the one text-config guard for every stage."""
-    return text_config(load_config(shared.target, shared.trust_remote_code))
-
-
 def layer_ids(aux_layers: list[int], to: Convention) -> list[int]:
     """Our 0-based decoder layers -> the ids of convention ``to`` (see the module docstring)."""
     shift = {"ours": 0, "sglang": 0, "hf": 1, "vllm": 1}[to]

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eagle_lib.store import read_json, write_json
+from eagle_lib.store import write_json
 
 MIME = "application/vnd.eagle-lib.metrics+json"
 
@@ -56,10 +56,6 @@ def read_notebook_metrics(nb_path: str | Path) -> dict[str, Any]:
     if not found:
         raise KeyError(f"{nb_path}: no recorded metrics (the notebook's last cell calls report.record)")
     return found
-
-
-def read_metrics(run_dir: str | Path, stage: str) -> dict[str, Any]:
-    return read_json(Path(run_dir) / "metrics" / f"{stage}.json")
 
 
 def save_figure(fig, path: str | Path):

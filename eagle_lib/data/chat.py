@@ -54,16 +54,6 @@ class Encoded:
     turns: list[int] | None = None  # turns: each: which assistant turns (0-based) this sequence trains
 
 
-def shift_labels(input_ids: list[int], loss_mask: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """(inputs, labels, label_mask) for next-token training.
-
-    Position t reads inputs[:t+1] and predicts labels[t] = input_ids[t+1]; it is trained when label_mask[t] =
-    loss_mask[t+1]. The mask moves WITH the labels: pairing labels with loss_mask[:-1] would skip the first
-    assistant token of every turn (a known peer bug).
-    """
-    return input_ids[:-1], input_ids[1:], loss_mask[1:]
-
-
 class ChatEncoder:
     """Renders and tokenizes conversations for one tokenizer + template (probe computed once)."""
 

@@ -20,9 +20,14 @@ the final value when either bound is right; a verdict whose threshold lies insid
 Point estimate of the shares. Between those bounds the data alone do not decide (the tail beyond the longest
 observation is undistributed), so the point estimate of the share cut at the limit and of the short share comes
 from a model: a lognormal of (length + 1) fitted by maximum likelihood to the finished lengths (exact) and the
-in-flight ones (longer than what they have typically produced; at the limit: at least the limit), by EM
-(`lognormal_fit`). Reasoning lengths are close to lognormal; the model only places the point inside the
+in-flight ones (longer than what they have typically produced; at the limit: at least the limit), with
+scipy's optimizer (`lognormal_fit`). Reasoning lengths are close to lognormal; the model only places the point inside the
 nonparametric interval (it is clipped to it), it never narrows the interval.
+
+Why Kaplan-Meier and the bootstrap are written here: `kaplan_meier` computes every bootstrap replicate at once
+from (R, G) group weights; lifelines' KaplanMeierFitter fits one weighted sample per call (R = 2000 calls), and
+the predictive draws below are not a statistic scipy.stats.bootstrap resamples (tests check the KM against
+lifelines and against a product-limit loop).
 
 Bootstrap. Units are resampled by multinomial counts over distinct (value, kind) groups, so a replicate costs
 O(distinct lengths), not O(samples). Each replicate is a predictive draw of the final quantity: the measured
@@ -245,53 +250,45 @@ def _predict(km: KM, c_in: np.ndarray, n_in: np.ndarray, m: int, base: dict, whe
             "p_short": p_short}  # fmt: skip
 
 
-def _erfc(x: np.ndarray) -> np.ndarray:
-    """Complementary error function, vectorised (Chebyshev fit, fractional error < 1.2e-7 everywhere)."""
-    z = np.abs(x)
-    t = 1.0 / (1.0 + 0.5 * z)
-    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (
-        0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))  # fmt: skip
-    r = t * np.exp(poly)
-    return np.where(x >= 0, r, 2.0 - r)
-
-
 def norm_sf(z: np.ndarray) -> np.ndarray:
-    """P(Z > z) of a standard normal."""
-    return 0.5 * _erfc(np.asarray(z, dtype=np.float64) / math.sqrt(2.0))
+    """P(Z > z) of a standard normal (scipy's ndtr, exact in the far tails)."""
+    from scipy.special import ndtr
+
+    return ndtr(-np.asarray(z, dtype=np.float64))
 
 
-def _mills(z: np.ndarray) -> np.ndarray:
-    """pdf(z) / sf(z) (the inverse Mills ratio), with its asymptote where sf underflows."""
-    sf = norm_sf(z)
-    pdf = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(sf > 1e-250, pdf / np.maximum(sf, 1e-300), z + 1.0 / np.maximum(z, 1e-9))
-
-
-def lognormal_fit(events: np.ndarray, ew: np.ndarray, cens: np.ndarray, cw: np.ndarray,
-                  iters: int = 2000, tol: float = 1e-9) -> tuple[float, float] | None:  # fmt: skip
+def lognormal_fit(
+    events: np.ndarray, ew: np.ndarray, cens: np.ndarray, cw: np.ndarray
+) -> tuple[float, float] | None:
     """Maximum-likelihood (mu, sigma) of log(T + 1) from exact lengths `events` (weights `ew`) and right-censored
-    ones T > `cens` (weights `cw`), by EM: a censored unit contributes its conditional moments of log(T + 1)
-    given log(T + 1) > log(c + 1) (the truncated-normal formulas). None without any exact length (no scale)."""
+    ones T > `cens` (weights `cw`): scipy's optimizer on the weighted censored normal log-likelihood (log pdf
+    of the exact ones, log sf of the censored ones; closed form without censoring). sigma has a floor of 0.05
+    (identical lengths would give 0). None without any exact length (no scale)."""
+    from scipy.optimize import minimize
+    from scipy.special import log_ndtr
+
     if ew.sum() <= 0:
         return None
     y, c = np.log1p(events.astype(np.float64)), np.log1p(cens.astype(np.float64))
-    w_all = ew.sum() + cw.sum()
-    mu = float(np.average(y, weights=ew))
-    sd = max(float(np.sqrt(np.average((y - mu) ** 2, weights=ew))), 0.05)
-    sy, syy = float((ew * y).sum()), float((ew * y * y).sum())
-    for _ in range(iters):
-        lam = _mills((c - mu) / sd)
-        e1 = mu + sd * lam
-        e2 = mu * mu + sd * sd + sd * (c + mu) * lam
-        m = (sy + float((cw * e1).sum())) / w_all
-        v = (syy + float((cw * e2).sum())) / w_all - m * m
-        new_sd = max(math.sqrt(max(v, 0.0)), 0.05)  # a floor: identical lengths would give sigma 0
-        done = abs(m - mu) < tol and abs(new_sd - sd) < tol
-        mu, sd = m, new_sd
-        if done:
-            break
-    return mu, sd
+    mu0 = float(np.average(y, weights=ew))
+    sd0 = max(float(np.sqrt(np.average((y - mu0) ** 2, weights=ew))), 0.05)
+    if cw.sum() <= 0:
+        return mu0, sd0
+
+    def nll(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        mu, log_sd = theta
+        sd = math.exp(log_sd)
+        z, zc = (y - mu) / sd, (c - mu) / sd
+        lsf = log_ndtr(-zc)
+        lam = np.exp(-0.5 * zc * zc - 0.5 * math.log(2 * math.pi) - lsf)  # pdf / sf at the censoring points
+        f = float((ew * (0.5 * z * z + log_sd)).sum() - (cw * lsf).sum())
+        d_mu = float(-(ew * z).sum() / sd - (cw * lam).sum() / sd)
+        d_lsd = float((ew * (1 - z * z)).sum() - (cw * lam * zc).sum())
+        return f, np.array([d_mu, d_lsd])
+
+    res = minimize(nll, np.array([mu0, math.log(sd0)]), jac=True, method="L-BFGS-B",
+                   bounds=[(None, None), (math.log(0.05), None)], options={"ftol": 1e-15, "gtol": 1e-10})  # fmt: skip
+    return float(res.x[0]), float(math.exp(res.x[1]))
 
 
 def model_shares(s: RunState, c_in: np.ndarray, short: int) -> dict | None:

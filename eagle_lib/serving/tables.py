@@ -230,19 +230,6 @@ def headline(
 
 
 # --- what the notebook shows ----------------------------------------------------------------------------
-def tau_summary(ev) -> pd.DataFrame:
-    """tau per dataset (rows) and method @ temperature (columns), with the prompts and greedy losslessness."""
-    if not len(ev.tau):
-        return pd.DataFrame()
-    t = ev.tau.assign(col=[f"{m} T={x:g}" for m, x in zip(ev.tau.method, ev.tau.temperature, strict=True)])
-    out = t.pivot(index="dataset", columns="col", values="tau")
-    out.insert(0, "prompts", t.groupby("dataset").prompts.max())
-    greedy = t[t.temperature == 0]
-    if len(greedy):
-        out["lossless (T=0)"] = greedy.groupby("dataset").lossless.all()
-    return out.loc[sorted(out.index, key=lambda d: (d == "all", d))].round(3)
-
-
 def baseline_table(ev) -> pd.DataFrame:
     """All datasets pooled, one row per method x temperature: tau, speedups, seconds per token."""
     cols = ["method", "temperature", "tau", "tau_uncut", "tokens_per_step", "measured_speedup", "est_speedup",

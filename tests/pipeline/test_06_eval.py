@@ -10,6 +10,9 @@ import torch
 from eagle_lib import report, store
 
 CI_TOLERANCE = 0.15  # params/ci.yaml online_tolerance
+# eagle3 minus n-gram tau on ci (T=0): measured 0.88 (seed 0, README); the margin stays well inside the seed
+# spread of that gap (README "ci run" row), so a drafter that stops learning fails while noise does not
+QUALITY_MARGIN = 0.4
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +24,11 @@ def ev(ci_run):
 def test_lossless_and_tau_per_dataset(ev):
     m = ev["m"]
     assert m["lossless"] is True and m["tau_none"] == 1.0 and m["preflight_ok"] is True
-    assert m["tau_eagle3"] >= 1.0 and m["tau_ngram"] >= 1.0
-    assert len(m["tau_eagle3_by_dataset"]) >= 2 and all(t >= 1.0 for t in m["tau_eagle3_by_dataset"].values())
-    assert len(m["acc_eagle3"]) == 3 and m["acc_eagle3"] == sorted(m["acc_eagle3"], reverse=True)
-    assert m["temperatures"] == [0.0, 1.0] and m["eagle3_T=1"]["tau"]["all"] >= 1.0
+    # a quality level: the trained drafter beats n-gram drafting by a margin (see QUALITY_MARGIN)
+    assert m["tau_eagle3"] >= m["tau_ngram"] + QUALITY_MARGIN, (m["tau_eagle3"], m["tau_ngram"])
+    assert m["eagle3_T=1"]["tau"]["all"] >= m["tau_ngram"] + QUALITY_MARGIN / 2
+    assert len(m["tau_eagle3_by_dataset"]) >= 2 and len(m["acc_eagle3"]) == 3
+    assert m["temperatures"] == [0.0, 1.0]
     assert "mt_bench" in m["tau_eagle3_by_dataset"] and "mt_bench" in m["eagle3_T=1"]["tau"]
     assert "mt_bench_turn2" in m["tau_eagle3_by_dataset"]  # turns: all: asked after the target's own answer
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from eagle_lib import report, store
-from eagle_lib.data_value import curve
+from tests.support.curve_ref import refit
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +20,15 @@ def val(ci_run):
 def test_recorded_numbers(val):
     m = val["m"]
     assert set(m["tau_by_fraction"]) == {"0.25", "0.5", "1"}
-    assert all(1.0 <= t <= 4.0 for t in m["tau_by_fraction"].values())
-    assert 1.0 <= m["fit"]["a"] <= m["fit"]["cap"] == 4.0 and m["fit"]["b"] >= 0
+    assert m["fit"]["cap"] == 4.0
+    # more data helps on ci: the full-data drafter beats the quarter-data one (measured +0.31 on seed 0)
+    assert m["tau_by_fraction"]["1"] > m["tau_by_fraction"]["0.25"] + 0.1
     for k in ("2x", "4x", "10x"):
         p = m["projected"][k]
-        assert p["lo"] <= p["tau"] <= p["hi"] <= 4.0
-    assert m["verdict_kind"] in ("data-limited", "saturated", "undetermined")
+        assert p["lo"] <= p["tau"] <= p["hi"]
+    g, min_gain = m["gain_2x"], 0.05  # the verdict follows from the recorded gain interval (07's min_gain)
+    want = "data-limited" if g["lo"] > min_gain else "saturated" if g["hi"] < min_gain else "undetermined"
+    assert m["verdict_kind"] == want
     assert f"{m['projected']['2x']['tau']:.2f}" in m["verdict"]
     assert set(m["lodo_value_all"]) == {"tools", "chat"} and m["short_response"][0].startswith("tools")
     assert {"diff", "lo", "hi"} <= set(m["regen_minus_original"]) and m["regen_text"]
@@ -42,8 +45,11 @@ def test_tables_rederived_from_sums(val):
     taus = sorted(sum(num) / sum(den) for num, den in sums.values())
     for t in cur.tau_all:
         assert min(abs(t - x) for x in taus) < 1e-12
-    f = curve.fit_saturating(cur.tokens / cur.tokens.max(), cur.tau_all, cap=4.0)
-    assert val["m"]["fit"]["a"] == pytest.approx(f.a) and val["m"]["fit"]["c"] == pytest.approx(f.c)
+    x = cur.tokens / cur.tokens.max()
+    a, b, c, _ = refit(x, cur.tau_all, cap=4.0)  # scipy's least squares, not 07's grid fit
+    f = val["m"]["fit"]
+    got = f["a"] - f["b"] * np.power(x, -f["c"])
+    np.testing.assert_allclose(got, a - b * np.power(x, -c), atol=0.01)
 
 
 def test_full_data_point_reproduces_06(val):

@@ -237,3 +237,41 @@ def test_short_answers_never_look_like_a_forming_tail():
     assert max(shares) < 0.05, shares
     mid = censored.estimate(simulate("reasoning", 0).snapshot(0.4), reps=50, seed=0)
     assert mid["share_at_limit"][1] > 0.05
+
+
+def test_kaplan_meier_equals_lifelines_with_weights():
+    """Reference: lifelines' KaplanMeierFitter on the same weighted groups (one replicate)."""
+    from lifelines import KaplanMeierFitter
+
+    rng = np.random.default_rng(3)
+    times = rng.integers(1, 60, 300).astype(float)
+    kinds = np.where(rng.random(300) < 0.55, EVENT, CENSORED)
+    key, first = np.unique(times * 4 + kinds, return_index=True)
+    w = rng.integers(1, 6, key.size).astype(float)  # group counts, as a bootstrap replicate draws them
+    km = censored.kaplan_meier(key // 4, key % 4, w[None, :], 64)
+    ref = KaplanMeierFitter().fit(key // 4, event_observed=(key % 4) != CENSORED, weights=w)
+    surv = 1 - np.cumsum(km.mass[0])  # S just after each distinct value
+    want = ref.survival_function_at_times(km.values).to_numpy()
+    np.testing.assert_allclose(surv, want, rtol=0, atol=1e-12)
+
+
+def test_lognormal_fit_equals_lifelines():
+    """Reference: lifelines' LogNormalFitter (right-censored, weighted) on T + 1."""
+    import warnings
+
+    from lifelines import LogNormalFitter
+
+    rng = np.random.default_rng(11)
+    t = np.rint(rng.lognormal(5.5, 0.8, 400))
+    c = np.rint(rng.uniform(50, 900, 400))
+    events, cens = t[t <= c], c[t > c]
+    ew, cw = rng.integers(1, 4, events.size).astype(float), rng.integers(1, 4, cens.size).astype(float)
+    mu, sd = censored.lognormal_fit(events, ew, cens, cw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = LogNormalFitter().fit(
+            np.concatenate([events, cens]) + 1,
+            np.concatenate([np.ones(events.size, bool), np.zeros(cens.size, bool)]),
+            weights=np.concatenate([ew, cw]),
+        )
+    assert (mu, sd) == pytest.approx((ref.mu_, ref.sigma_), abs=1e-4)

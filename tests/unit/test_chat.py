@@ -347,7 +347,8 @@ def test_first_assistant_token_is_trained_after_label_shift(kimi):
     think = kimi.convert_tokens_to_ids("<think>")
     firsts = [i for i in range(1, len(got.loss_mask)) if got.loss_mask[i] and not got.loss_mask[i - 1]]
     assert [got.input_ids[i] for i in firsts] == [think, think]
-    inputs, labels, label_mask = chat.shift_labels(got.input_ids, got.loss_mask)
+    ids = got.input_ids  # next-token training: position t reads ids[:t+1], predicts ids[t+1] when mask[t+1]
+    inputs, labels, label_mask = ids[:-1], ids[1:], got.loss_mask[1:]
     assert len(inputs) == len(labels) == len(label_mask) == len(got.input_ids) - 1
     for i in firsts:
         assert labels[i - 1] == think and label_mask[i - 1] == 1  # predicted from the header's last token

@@ -79,3 +79,23 @@ def test_verdict_flags_a_fit_that_misses_the_full_data_point():
     assert v["fit_miss"] > 0.05 and "Caution: the fit misses the largest subset" in v["text"]
     clean = curve.verdict(curve.learning_curve(X, *prompt_sums(law(X), noise=0.05), 4.0, [2.0], 100, 1), 0.05)
     assert "Caution" not in clean["text"] and abs(clean["fit_miss"]) < 0.05
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fit_is_as_good_as_scipys_bounded_least_squares(seed):
+    """Reference: scipy's least_squares from several starts (tests/support/curve_ref): the grid fit reaches the
+    same residual (within the grid's resolution in c) and the same fitted and projected values."""
+    from tests.support.curve_ref import refit
+
+    rng = np.random.default_rng(seed)
+    t1, c = rng.uniform(2.5, 3.8), rng.uniform(0.2, 1.5)  # tau at all the data, and the curvature
+    t8 = rng.uniform(1.3, t1 - 0.2)  # tau at 1/8 of it
+    b = (t1 - t8) / (8**c - 1)
+    y = law(X, a=t1 + b, b=b, c=c)
+    y = np.minimum(y + 0.03 * rng.standard_normal(X.size), 3.99)
+    f = curve.fit_saturating(X, y, cap=4.0)
+    a, b, c, sse = refit(X, y, cap=4.0)
+    noise_sse = X.size * 0.03**2  # what the noise alone leaves
+    assert f.sse <= sse + 0.05 * noise_sse  # the grid in c costs under 5% of the noise's residual
+    ref = a - b * np.power(X, -c)
+    np.testing.assert_allclose(f.predict(X), ref, atol=0.01)  # a third of the noise
