@@ -91,6 +91,9 @@ class Params(params.Strict):
     online_concurrency: int = 4  # parallel requests
     online_timeout_s: float = 600.0  # per request
     online_tolerance: float = 0.2  # |online - offline| tau allowed before the report flags a disagreement
+    online_api_key_env: str = (
+        ""  # NAME of the variable holding the server's --api-key (sent as a Bearer token)
+    )
 
     @model_validator(mode="after")
     def _consistent(self):

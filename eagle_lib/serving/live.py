@@ -11,7 +11,7 @@
 Flags: EAGLE instead of EAGLE3 (acceptance ~1.0: fc and the aux layers dropped), a draft model path other
 than the checked drafter, a different number of draft tokens, speculative decoding off, tau near 1.0.
 
-    python -m eagle_lib.serving.live vllm|sglang URL DRAFTER_DIR [--num-steps 3]
+    python -m eagle_lib.serving.live vllm|sglang URL DRAFTER_DIR [--num-steps 3] [--api-key-env VAR]
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ import sys
 
 from eagle_lib.engines import client
 from eagle_lib.serving.checks import Check, same_path
-from eagle_lib.serving.online import completion_tokens, counter_delta, metrics_counters, settled_counters
+from eagle_lib.serving.online import (
+    auth_headers,
+    completion_tokens,
+    counter_delta,
+    metrics_counters,
+    settled_counters,
+)
 
 COLLAPSED_TAU = 1.1  # below this the server accepts almost no drafts
 PROBE_TEXT = "Write a short Python function that adds two numbers, then explain it in one sentence."
@@ -52,10 +58,10 @@ def _tau_check(out: list[Check], tau: float | None, source: str) -> None:
     out.append(Check("live tau", ok, f"tau {tau:.2f} ({source})" if ok else bad))
 
 
-def vllm_spec_config(base_url: str, timeout: float = 30.0) -> dict | None:
+def vllm_spec_config(base_url: str, timeout: float = 30.0, headers: dict | None = None) -> dict | None:
     """The server's speculative_config from /server_info, or None when the endpoint is not served."""
     try:
-        info = client.get_json(base_url + "/server_info?config_format=json", timeout)
+        info = client.get_json(base_url + "/server_info?config_format=json", timeout, headers)
     except client.ServerError as e:
         if e.status == 404:
             return None
@@ -65,25 +71,30 @@ def vllm_spec_config(base_url: str, timeout: float = 30.0) -> dict | None:
 
 
 def probe_vllm(
-    base_url: str, model: str = "", n: int = 3, max_tokens: int = 32, timeout: float = 300.0
-) -> dict:
+    base_url: str, model: str = "", n: int = 3, max_tokens: int = 32, timeout: float = 300.0,
+    headers: dict | None = None,
+) -> dict:  # fmt: skip
     """Counter deltas over n greedy probe requests of `max_tokens` each (``ignore_eos``: a model that answers
     the probe with its stop token at once still takes speculative steps), read once the counters account for
     every token the replies report: tau, drafts, draft_tokens, accepted, generated."""
-    model = model or client.get_json(base_url + "/v1/models")["data"][0]["id"]
-    before, generated = metrics_counters(base_url), 0
+    model = model or client.get_json(base_url + "/v1/models", headers=headers)["data"][0]["id"]
+    before, generated = metrics_counters(base_url, headers), 0
     for i in range(n):
         body = dict(model=model, prompt=f"{i}. {PROBE_TEXT}", max_tokens=max_tokens, temperature=0.0,
                     ignore_eos=True)  # fmt: skip
         generated += completion_tokens(
-            client.post_json(base_url + "/v1/completions", body, timeout), base_url
+            client.post_json(base_url + "/v1/completions", body, timeout, headers), base_url
         )
-    return counter_delta(before, settled_counters(base_url, before, generated), 1) | {"generated": generated}
+    return counter_delta(before, settled_counters(base_url, before, generated, headers=headers), 1) | {
+        "generated": generated
+    }
 
 
-def check_vllm(base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None) -> list[Check]:
+def check_vllm(
+    base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None, headers: dict | None = None
+) -> list[Check]:
     out: list[Check] = []
-    spec = vllm_spec_config(base_url)
+    spec = vllm_spec_config(base_url, headers=headers)
     if spec is None:
         msg = "not served: start vLLM with VLLM_SERVER_DEV_MODE=1 to check its speculative config; /metrics only"
         out.append(Check("vllm /server_info", False, msg, "warning"))
@@ -101,7 +112,7 @@ def check_vllm(base_url: str, drafter_dir: str, num_steps: int, tau: float | Non
             )
         )
     try:
-        d = probe_vllm(base_url)
+        d = probe_vllm(base_url, headers=headers)
     except ValueError as e:  # no spec-decode counters
         out.append(Check("vllm spec-decode metrics", False, str(e)))
         return out
@@ -115,19 +126,21 @@ def check_vllm(base_url: str, drafter_dir: str, num_steps: int, tau: float | Non
     return out
 
 
-def sglang_server_args(base_url: str, timeout: float = 30.0) -> dict:
+def sglang_server_args(base_url: str, timeout: float = 30.0, headers: dict | None = None) -> dict:
     """SGLang's server args from /server_info, falling back to /get_server_info (older versions)."""
     try:
-        return client.get_json(base_url + "/server_info", timeout)
+        return client.get_json(base_url + "/server_info", timeout, headers)
     except client.ServerError as e:
         if e.status != 404:
             raise
-        return client.get_json(base_url + "/get_server_info", timeout)
+        return client.get_json(base_url + "/get_server_info", timeout, headers)
 
 
-def check_sglang(base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None) -> list[Check]:
+def check_sglang(
+    base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None, headers: dict | None = None
+) -> list[Check]:
     out: list[Check] = []
-    a = sglang_server_args(base_url)
+    a = sglang_server_args(base_url, headers=headers)
     _method_check(
         out, "sglang speculative_algorithm (live)", a.get("speculative_algorithm"), "EAGLE3", "EAGLE"
     )
@@ -149,14 +162,16 @@ def check_sglang(base_url: str, drafter_dir: str, num_steps: int, tau: float | N
 
 
 def check_server(
-    engine: str, base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None
-) -> list[Check]:
-    """Every live check of a running vLLM or SGLang server; tau = an acceptance measured by the caller."""
+    engine: str, base_url: str, drafter_dir: str, num_steps: int, tau: float | None = None,
+    headers: dict | None = None,
+) -> list[Check]:  # fmt: skip
+    """Every live check of a running vLLM or SGLang server; tau = an acceptance measured by the caller;
+    `headers` with every request (the API key)."""
     url = base_url.rstrip("/")
     if engine == "vllm":
-        return check_vllm(url, drafter_dir, num_steps, tau)
+        return check_vllm(url, drafter_dir, num_steps, tau, headers)
     if engine == "sglang":
-        return check_sglang(url, drafter_dir, num_steps, tau)
+        return check_sglang(url, drafter_dir, num_steps, tau, headers)
     raise ValueError(f"live preflight: engine must be vllm or sglang, got {engine!r}")
 
 
@@ -165,7 +180,8 @@ def live_checks(p, url: str, drafter_dir, raw: dict[float, dict]) -> list[dict]:
     ``p``, with the tau 06 measured (`online.measure`'s ``raw``) in place of the probe's."""
     taus = [r["tau"] for per in raw.values() for r in per.values()]
     tau = sum(taus) / len(taus) if taus else None
-    checks = check_server(p.online_engine, url, str(drafter_dir), p.num_steps, tau=tau)
+    headers = auth_headers(p.online_api_key_env)
+    checks = check_server(p.online_engine, url, str(drafter_dir), p.num_steps, tau=tau, headers=headers)
     return [c.__dict__ for c in checks]
 
 
@@ -175,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:30000")
     ap.add_argument("drafter_dir", help="the drafter the server should serve")
     ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--api-key-env", default="", help="NAME of the variable holding the server's --api-key")
     a = ap.parse_args(argv)
-    checks = check_server(a.engine, a.url, a.drafter_dir, a.num_steps)
+    checks = check_server(a.engine, a.url, a.drafter_dir, a.num_steps, headers=auth_headers(a.api_key_env))
     for c in checks:
         print(f"[{'ok  ' if c.ok else ('FAIL' if c.severity == 'error' else 'warn')}] {c.name}: {c.message}")
     return 0 if all(c.ok or c.severity != "error" for c in checks) else 1

@@ -71,9 +71,9 @@ def _seed(pr: Prompt, seed: int) -> int:
     return (seed * 1_000_003 + sum((i + 1) * ord(c) for i, c in enumerate(pr.id))) % (2**31)
 
 
-def metrics_counters(base_url: str) -> dict:
+def metrics_counters(base_url: str, headers: dict | None = None) -> dict:
     """The spec-decode counters now; an error naming the cause when the server has none."""
-    c = vllm_spec_counters(client.get_text(base_url + "/metrics"))
+    c = vllm_spec_counters(client.get_text(base_url + "/metrics", headers=headers))
     if not c.get("series"):
         raise ValueError(
             f"{base_url}/metrics has no vllm:spec_decode_* counters: speculative decoding is off, "
@@ -91,14 +91,16 @@ def completion_tokens(reply: dict, url: str) -> int:
     return n
 
 
-def settled_counters(base_url: str, before: dict, generated: int, timeout_s: float = 60.0) -> dict:
+def settled_counters(
+    base_url: str, before: dict, generated: int, timeout_s: float = 60.0, headers: dict | None = None
+) -> dict:
     """The counters once they account for `generated` tokens more than `before` did. vLLM records an engine
     step's stats after it hands the step's outputs on, so a /metrics read right after the last reply can miss
     the steps of that traffic; polling until ``vllm:generation_tokens_total`` has grown by what the replies
     reported makes the spec-decode counters read after the traffic, never before."""
     deadline = time.monotonic() + timeout_s
     while True:
-        after = metrics_counters(base_url)
+        after = metrics_counters(base_url, headers)
         seen = after.get("generated", 0.0) - before.get("generated", 0.0)
         if seen >= generated:
             return after
@@ -129,9 +131,11 @@ def online_vllm(
     timeout_s: float = 600.0,
     sampling: Sampling = GREEDY,
     seed: int = 0,
+    headers: dict | None = None,
 ) -> dict[str, dict]:
-    """Per dataset: completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas."""
-    model = model or client.get_json(base_url + "/v1/models")["data"][0]["id"]
+    """Per dataset: completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas;
+    `headers` go with every request (the API key: `auth_headers`)."""
+    model = model or client.get_json(base_url + "/v1/models", headers=headers)["data"][0]["id"]
 
     def one(pr: Prompt) -> tuple[list[int], int]:
         body = dict(
@@ -143,14 +147,14 @@ def online_vllm(
         )
         if not sampling.greedy:
             body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=_seed(pr, seed))
-        ans = client.post_json(base_url + "/v1/completions", body, timeout_s)
+        ans = client.post_json(base_url + "/v1/completions", body, timeout_s, headers)
         return list(ans["choices"][0]["token_ids"]), completion_tokens(ans, base_url)
 
     out = {}
     for ds, ps in prompts.items():
-        before = metrics_counters(base_url)
+        before = metrics_counters(base_url, headers)
         answers = _map(one, ps, concurrency)
-        after = settled_counters(base_url, before, sum(n for _, n in answers))
+        after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
         res = counter_delta(before, after, num_steps)
         out[ds] = {**res, "outputs": {pr.id: ids for pr, (ids, _) in zip(ps, answers, strict=True)}}
     return out
@@ -164,17 +168,17 @@ def online_sglang(
     timeout_s: float = 600.0,
     sampling: Sampling = GREEDY,
     seed: int = 0,
+    headers: dict | None = None,
 ) -> dict[str, dict]:
-    """Per dataset: /generate calls; tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
+    """Per dataset: /generate calls (with `headers`); tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
     length, which counts the prefill token too)."""
 
     def one(pr: Prompt) -> dict:
         sp: dict = {"temperature": sampling.temperature, "max_new_tokens": max_new_tokens}
         if not sampling.greedy:
             sp.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, sampling_seed=_seed(pr, seed))
-        r = client.post_json(
-            base_url + "/generate", {"input_ids": pr.prompt_ids, "sampling_params": sp}, timeout_s
-        )
+        body = {"input_ids": pr.prompt_ids, "sampling_params": sp}
+        r = client.post_json(base_url + "/generate", body, timeout_s, headers)
         meta = r.get("meta_info", {})
         if "spec_verify_ct" not in meta:
             raise ValueError(
@@ -197,12 +201,22 @@ def online_sglang(
 
 
 # --- what stage 06 runs ----------------------------------------------------------------------------------
+def auth_headers(api_key_env: str) -> dict:
+    """The Authorization header for servers started with ``--api-key``, the key read from the environment
+    variable named `api_key_env` (params name the variable, never the key); {} when the name is empty."""
+    from eagle_lib import params
+
+    key = params.secret_from_env(api_key_env, "06_eval_acceptance online server")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def measure(p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]]) -> dict[float, dict]:
     """{temperature: results per dataset} for every online temperature of 06's params ``p``."""
-    raw = {}
+    raw, headers = {}, auth_headers(p.online_api_key_env)
     for temp in p.online_temps:
         s = Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)
-        kw = dict(concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=seed)
+        kw = dict(concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=seed,
+                  headers=headers)  # fmt: skip
         if p.online_engine == "sglang":
             raw[temp] = online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
         else:

@@ -466,6 +466,7 @@ class StandIn(BaseHTTPRequestHandler):
     bodies: list = []
     published: dict = {}  # what /metrics shows: vLLM records a step's stats after it has sent the step's outputs
     lag_reads = 0  # /metrics reads that still show the counters from before the last request
+    key = ""  # the API key the stand-in requires ("" = none)
 
     def log_message(self, *a):
         pass
@@ -478,7 +479,18 @@ class StandIn(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self) -> bool:
+        """401 unless the request carries the key (when the stand-in has one, as `--api-key` servers do)."""
+        if StandIn.key and self.headers.get("Authorization") != f"Bearer {StandIn.key}":
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        return False
+
     def do_GET(self):
+        if self._refused():
+            return
         if self.path == "/metrics":
             if StandIn.lag_reads > 0:
                 StandIn.lag_reads -= 1
@@ -499,6 +511,8 @@ class StandIn(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._refused():
+            return
         ids = body.get("prompt") or body.get("input_ids")
         ids = [ord(c) for c in ids] if isinstance(ids, str) else ids  # a text prompt (the live probe's)
         out = [(t + 1) % 50 for t in ids[-4:]]  # deterministic "greedy" output
@@ -524,6 +538,7 @@ class StandIn(BaseHTTPRequestHandler):
 def server():
     StandIn.counters, StandIn.published = {"drafts": 0, "accepted": 0, "generated": 0}, {}
     StandIn.sglang_meta, StandIn.bodies, StandIn.lag, StandIn.lag_reads, StandIn.usage = True, [], 0, 0, True
+    StandIn.key = ""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -620,3 +635,28 @@ def test_runner_features_are_layer_outputs_before_the_final_norm(target):
     torch.testing.assert_close(target.model.norm(raw), ref[last + 1][0])
     assert (raw - ref[last + 1][0]).abs().max() > 0.1  # the normed state is not what 05 trains on
     assert [len(layer._forward_hooks) for layer in target.model.layers] == hooks  # none of ours left behind
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_06_online_sends_the_api_key_named_by_its_params(server, engine, monkeypatch):
+    """Servers started with --api-key (the Kimi params' SGLang servers) answer 401 without it: 06 sends the
+    key from the variable online_api_key_env names, to the measurement and to the live checks."""
+    from eagle_lib import acceptance, params
+    from eagle_lib.serving import live
+
+    StandIn.key = "s3cret"
+    p = acceptance.Params(online_engine=engine, online_url=server, online_api_key_env="EAGLE_TEST_06_KEY",
+                          temperatures=[0.0])  # fmt: skip
+    monkeypatch.delenv("EAGLE_TEST_06_KEY", raising=False)
+    with pytest.raises(params.ParamsError, match="EAGLE_TEST_06_KEY"):
+        online.measure(p, 0, server, "", ONLINE_PROMPTS)
+    monkeypatch.setenv("EAGLE_TEST_06_KEY", "s3cret")
+    raw = online.measure(p, 0, server, "", ONLINE_PROMPTS)
+    assert raw[0.0]["x"]["outputs"]["x1"] == [2, 3, 4]
+    if engine == "vllm":
+        checks = {c["name"]: c for c in live.live_checks(p, server, "/d", raw)}
+        assert checks["vllm draft tokens per step (metrics)"]["ok"]
+    from eagle_lib.engines import client
+
+    with pytest.raises(client.ServerError, match="401"):  # the same server without the key
+        online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8)
