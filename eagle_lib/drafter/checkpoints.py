@@ -57,7 +57,8 @@ def join_optimizer(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save(out: Path, model, opts: list, scheds: list, step: int, fp: str, history: list, config, keep: int):
+def save(out: Path, model, opts: list, scheds: list, step: int, fp: str, history: list, config, keep: int,
+         world: int = 1):  # fmt: skip
     """Write checkpoint ``step`` (a collective under FSDP: call on every rank) and prune old ones. ``opts``:
     the optimizers (one state, keyed by parameter name); ``scheds``: their schedules, which step together."""
     from safetensors.torch import save_file
@@ -71,7 +72,8 @@ def save(out: Path, model, opts: list, scheds: list, step: int, fp: str, history
     save_state(drafter_state(model_state), config, ck, {"step": step, "fingerprint": fp})
     tensors, meta = split_optimizer(optim_state)
     save_file(tensors, str(ck / OPTIMIZER_FILE))
-    trainer = {"optimizer": meta, "scheduler": scheds[0].state_dict(), "step": step, "fingerprint": fp}
+    trainer = {"optimizer": meta, "scheduler": scheds[0].state_dict(), "step": step, "fingerprint": fp,
+               "world_size": world}  # fmt: skip
     store.write_json(ck / TRAINER_FILE, {**trainer, "history": history})
     (ck / "COMPLETE").write_text(str(step))
     done = complete(out, fp)
@@ -93,8 +95,14 @@ def complete(out: Path, fp: str) -> list[Path]:
     )
 
 
-def resume(out: Path, model, opts: list, scheds: list, fp: str) -> tuple[int, list]:
-    """Load the newest complete checkpoint into model/opts/scheds; returns (step, history), (0, []) if none."""
+class ResumeError(ValueError):
+    """A checkpoint that this run cannot continue exactly (message names the checkpoint and why)."""
+
+
+def resume(out: Path, model, opts: list, scheds: list, fp: str, world: int = 1) -> tuple[int, list]:
+    """Load the newest complete checkpoint into model/opts/scheds; returns (step, history), (0, []) if none.
+    Refuses a checkpoint written by another number of processes: a step takes world x grad_accum micro-batches,
+    so the data order and the step count would change silently (start over, or resume with its world size)."""
     from safetensors.torch import load_file
 
     done = complete(out, fp)
@@ -104,6 +112,11 @@ def resume(out: Path, model, opts: list, scheds: list, fp: str) -> tuple[int, li
     state = json.loads((ck / TRAINER_FILE).read_text())
     if state["fingerprint"] != fp:
         raise ValueError(f"{ck / TRAINER_FILE}: fingerprint {state['fingerprint']} in the directory of {fp}")
+    if state.get("world_size", world) != world:  # checkpoints older than the key: their world is not known
+        raise ResumeError(
+            f"{ck / TRAINER_FILE}: written by {state['world_size']} processes, resumed by {world}: each step "
+            f"would take other micro-batches (resume with nproc_per_node {state['world_size']}, or resume: false)"
+        )
     weights = {f"drafter.{k}": v for k, v in load_file(str(ck / WEIGHTS_FILE)).items()}
     optim = join_optimizer(load_file(str(ck / OPTIMIZER_FILE)), state["optimizer"])
     distributed.load_full_state(model, opts, weights, optim)

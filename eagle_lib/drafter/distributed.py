@@ -9,6 +9,7 @@ full, unsharded state dicts keyed by parameter name, so a run resumes under any 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import subprocess
 import sys
@@ -31,8 +32,15 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", 1)) > 1
 
 
+# Collectives wait at most this long: longer than any wait of one rank between two collectives, the longest
+# being the vllm hidden source's wait for a producer's unit (`hidden_states.engine_hidden.PRODUCER_WAIT_S`, which
+# is derived from this); NCCL's default (10 min) would abort a job whose producer is merely slow.
+PROCESS_GROUP_TIMEOUT_S = 2 * 3600.0
+
+
 def init(device: torch.device) -> torch.device:
-    """Join the process group when under torchrun; returns this process's device."""
+    """Join the process group when under torchrun (timeout `PROCESS_GROUP_TIMEOUT_S`); returns this process's
+    device."""
     if not launched():
         return device
     _, _, local = world()
@@ -40,7 +48,8 @@ def init(device: torch.device) -> torch.device:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     return device
 
 

@@ -79,7 +79,7 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
     `stream`; NaN guard; train_log.jsonl and checkpoints under `out`; `meter(row, history)` after each step
     (05's measured acceptance). Returns the per-step history (resumed rows included)."""
     rank, world, _ = distributed.world()
-    start, history = checkpoints.resume(out, model, opts, scheds, fp) if p.resume else (0, [])
+    start, history = checkpoints.resume(out, model, opts, scheds, fp, world) if p.resume else (0, [])
     log = out / "train_log.jsonl"
     if distributed.is_main():  # the log restarts from the resumed checkpoint's history
         out.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,9 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
                     flush=True,
                 )
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == total:
-            checkpoints.save(out, model, opts, scheds, step + 1, fp, history, config, p.keep_checkpoints)
+            checkpoints.save(
+                out, model, opts, scheds, step + 1, fp, history, config, p.keep_checkpoints, world
+            )
     return history
 
 

@@ -113,6 +113,11 @@ def log_tail(buf: Path, i: int, n: int = 30) -> str:
     return f"--- {path}\n" + "\n".join(lines[-n:])
 
 
+# how long a rank waits for an external producer's unit: shorter than the process group's timeout, so a slow
+# producer ends in this error on the waiting rank, not in a collective's abort on the others
+PRODUCER_WAIT_S = distributed.PROCESS_GROUP_TIMEOUT_S - 600.0
+
+
 def wait_for(path: Path, procs: list[subprocess.Popen], buf: Path) -> float:
     """Seconds spent waiting for a unit file; raises when every producer exited without writing it."""
     t0 = time.perf_counter()
@@ -120,8 +125,8 @@ def wait_for(path: Path, procs: list[subprocess.Popen], buf: Path) -> float:
         if procs and all(p.poll() is not None for p in procs) and not path.exists():
             tails = [log_tail(buf, i) for i in range(len(procs))]
             raise RuntimeError(f"{path}: every vLLM producer exited before writing it\n" + "\n".join(tails))
-        if not procs and time.perf_counter() - t0 > 3600:
-            raise TimeoutError(f"{path}: no external producer wrote it within an hour")
+        if not procs and time.perf_counter() - t0 > PRODUCER_WAIT_S:
+            raise TimeoutError(f"{path}: no external producer wrote it within {PRODUCER_WAIT_S:.0f} s")
         time.sleep(0.01)
     return time.perf_counter() - t0
 

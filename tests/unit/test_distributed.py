@@ -84,3 +84,22 @@ def test_07_trains_05s_two_rank_recipe_as_one_process(world, tmp_path):
     ref = load_drafter(two / "drafter/final")
     for key, v in ref.state_dict().items():
         torch.testing.assert_close(drafter.state_dict()[key], v, rtol=0, atol=1e-5)
+
+
+def test_process_group_outlives_the_longest_wait_for_a_producer(monkeypatch):
+    """Ranks may wait up to PRODUCER_WAIT_S for a producer's unit between two collectives: the process group
+    must be created with a longer timeout than that (NCCL's default is 10 minutes)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from eagle_lib.drafter import distributed
+    from eagle_lib.hidden_states import engine_hidden
+
+    got = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: got.update(backend=backend, **kw))
+    distributed.init(torch.device("cpu"))
+    assert got["backend"] == "gloo" and isinstance(got["timeout"], datetime.timedelta)
+    assert got["timeout"].total_seconds() > engine_hidden.PRODUCER_WAIT_S >= 3600

@@ -373,3 +373,19 @@ def test_hesitant_miss_share_reads_the_bins_under_one_half():
     misses = [72, 8, 4, 8, 12, 10]  # labels - hits per bin
     assert figures.hesitant_miss_share(summary) == pytest.approx((72 + 8) / sum(misses))
     assert figures.hesitant_miss_share({"heldout": {}}) is None
+
+
+def test_resume_under_another_world_size_is_refused(world, tmp_path):
+    """A checkpoint written by one process, resumed by two: each step would take other micro-batches (the
+    order and the step count change silently), so the resume is refused, naming the checkpoint."""
+    from eagle_lib.drafter import checkpoints
+
+    root, _ = world
+    cut = copy_run(world, tmp_path / "cut")
+    train.run(eagle_tiny.stage_config(cut, root / "target", stop_after_steps=3))
+    fp = next((cut / "drafter/checkpoints").iterdir()).name
+    with pytest.raises(
+        checkpoints.ResumeError, match=r"step_0000002/trainer.json: written by 1 processes, resumed by 2"
+    ):
+        checkpoints.resume(cut / "drafter", None, [], [], fp, world=2)
+    assert checkpoints.resume.__defaults__[-1] == 1  # the single process is the default world
