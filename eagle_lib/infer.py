@@ -126,7 +126,7 @@ def resolve_stop_ids(cfg: params.StageConfig, tokenizer, model=None) -> list[int
             from transformers import GenerationConfig
 
             gen = GenerationConfig.from_pretrained(
-                models.resolve(cfg.shared.target), trust_remote_code=cfg.shared.trust_remote_code
+                models.resolve(cfg.shared.target), **models.hub_kwargs(cfg.shared)
             )
         except (OSError, ValueError):
             gen = None

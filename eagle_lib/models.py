@@ -51,13 +51,47 @@ def num_workers(n: int) -> int:
         return os.cpu_count() or 1
 
 
+class RemoteCodeError(ValueError):
+    """A hub repository whose Python code would run unpinned (message names the repo and the fix)."""
+
+
+def _is_hub_id(repo: str) -> bool:
+    return not repo.startswith("toy://") and not os.path.exists(repo)
+
+
+def pinned(repo: str, trust_remote_code: bool, revision: str, allow_unpinned: bool) -> str | None:
+    """The revision to load `repo` at; RemoteCodeError when its code would run from a moving branch: with
+    trust_remote_code a hub repo (not a local directory, whose code is what is on disk) needs a commit hash."""
+    if revision and not (len(revision) == 40 and all(c in "0123456789abcdef" for c in revision.lower())):
+        if trust_remote_code and _is_hub_id(repo) and not allow_unpinned:
+            raise RemoteCodeError(f"{repo}: revision {revision!r} is a branch or tag, not a commit (40 hex): "
+                                  "the code it names can change between runs")  # fmt: skip
+    elif not revision and trust_remote_code and _is_hub_id(repo) and not allow_unpinned:
+        raise RemoteCodeError(
+            f"{repo}: trust_remote_code runs this hub repository's Python code in every worker; pin it with "
+            "shared.revision (the commit hash on the model page, or `git ls-remote https://huggingface.co/"
+            f"{repo} HEAD`), or set shared.allow_unpinned_remote_code: true"
+        )
+    return revision or None
+
+
+def hub_kwargs(shared, tokenizer: bool = False) -> dict:
+    """from_pretrained's ``trust_remote_code`` and ``revision`` for the target (or, `tokenizer`, its tokenizer)."""
+    if tokenizer and shared.tokenizer:
+        rev = pinned(shared.tokenizer, shared.trust_remote_code, shared.tokenizer_revision,
+                     shared.allow_unpinned_remote_code)  # fmt: skip
+    else:
+        rev = pinned(
+            shared.target, shared.trust_remote_code, shared.revision, shared.allow_unpinned_remote_code
+        )
+    return {"trust_remote_code": shared.trust_remote_code, "revision": rev}
+
+
 def load_tokenizer(shared):
     """The target tokenizer (shared.tokenizer or the target's own), with its chat template."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        resolve(shared.tokenizer_path), trust_remote_code=shared.trust_remote_code
-    )
+    return AutoTokenizer.from_pretrained(resolve(shared.tokenizer_path), **hub_kwargs(shared, tokenizer=True))
 
 
 def load_target(shared, dtype: torch.dtype | None = None, device: str | None = None):
@@ -68,9 +102,7 @@ def load_target(shared, dtype: torch.dtype | None = None, device: str | None = N
     dev = pick_device(device or shared.device)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve(shared.target), dtype=dtype, trust_remote_code=shared.trust_remote_code
-    )
+    model = AutoModelForCausalLM.from_pretrained(resolve(shared.target), dtype=dtype, **hub_kwargs(shared))
     return model.to(dev).eval()
 
 
@@ -79,11 +111,11 @@ def text_config(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
-def load_config(target: str, trust_remote_code: bool = False):
-    """The target's HF config (toy:// resolved), without loading weights."""
+def load_config(target: str, trust_remote_code: bool = False, revision: str | None = None):
+    """The target's HF config (toy:// resolved), without loading weights (kwargs: `hub_kwargs`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve(target), trust_remote_code=trust_remote_code)
+    return AutoConfig.from_pretrained(resolve(target), trust_remote_code=trust_remote_code, revision=revision)
 
 
 def layer_ids(aux_layers: list[int], to: Convention) -> list[int]:

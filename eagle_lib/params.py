@@ -43,6 +43,11 @@ class SharedParams(Strict):
     )
     tokenizer: str = ""  # tokenizer dir or hub id (empty: the target's own)
     trust_remote_code: bool = False  # needed for Kimi-K2.5's tokenizer and model code
+    revision: str = ""  # hub commit (40 hex) of the target; with trust_remote_code a hub target must have one
+    tokenizer_revision: str = ""  # hub commit of a separate `tokenizer` repo (empty: `revision`)
+    allow_unpinned_remote_code: bool = (
+        False  # run a hub repo's code from its moving branch head (not advised)
+    )
     seed: int = 0  # global seed for sampling, splits and training
     num_workers: int = 0  # worker processes for CPU-bound stages (0: all cores)
     device: str = "auto"  # auto | cpu | cuda | cuda:N

@@ -300,6 +300,18 @@ def _git_state(root: Path) -> dict:
     }
 
 
+def unpinned_remote_code(shared) -> str:
+    """Why the target's or tokenizer's hub code would run unpinned ('' when it would not)."""
+    from eagle_lib import models
+
+    try:
+        models.hub_kwargs(shared)
+        models.hub_kwargs(shared, tokenizer=True)
+    except models.RemoteCodeError as e:
+        return str(e)
+    return ""
+
+
 def run_pipeline(
     params_path: str | Path,
     stages: str | None = None,
@@ -312,6 +324,8 @@ def run_pipeline(
     """Validate the params file, then run the selected stages that have a notebook; returns the manifest."""
     registry = registry or dict(STAGES)
     run = load_params(params_path, registry)
+    if problem := unpinned_remote_code(run.shared):  # before any stage runs the hub's code
+        raise ParamsError(f"{params_path}: {problem}")
     if run_name:
         run = run.model_copy(update={"run_name": run_name})
     run_dir = root / run.run_dir
@@ -337,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "validate":
             for p in args.params:
-                load_params(p)
-                print(f"{p}: ok")
+                problem = unpinned_remote_code(load_params(p).shared)
+                print(f"{p}: ok" + (f" (warning: a run would refuse: {problem})" if problem else ""))
             return 0
         manifest = run_pipeline(args.params, args.stages, args.run_name, args.force)
     except ParamsError as e:

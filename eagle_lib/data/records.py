@@ -42,14 +42,13 @@ class StageFailed(RuntimeError):
 _WORKER: dict[str, Any] = {}
 
 
-def init_worker(
-    tokenizer_path: str, trust_remote_code: bool, template_kwargs: dict, stage_params: Any
-) -> None:
-    """Load the tokenizer once per worker process (and in-process when running single-worker)."""
+def init_worker(tokenizer_path: str, hub: dict, template_kwargs: dict, stage_params: Any) -> None:
+    """Load the tokenizer once per worker process (and in-process when running single-worker); `hub`:
+    `models.hub_kwargs` (trust_remote_code and the pinned revision)."""
     from transformers import AutoTokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tok = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, **hub)
     _WORKER.update(encoder=chat.ChatEncoder(tok, template_kwargs), vocab_size=len(tok), params=stage_params)
 
 
@@ -283,7 +282,7 @@ def run_stage(cfg: params.StageConfig, part: str, run_one) -> dict:
     probe = chat.ChatEncoder(tok, cfg.stage.chat_template_kwargs).probe  # fail early on an unusable template
     root = cfg.out("data", part)
     root.mkdir(parents=True, exist_ok=True)
-    initargs = (models.resolve(cfg.shared.tokenizer_path), cfg.shared.trust_remote_code,
+    initargs = (models.resolve(cfg.shared.tokenizer_path), models.hub_kwargs(cfg.shared, tokenizer=True),
                 cfg.stage.chat_template_kwargs, cfg.stage)  # fmt: skip
     metas = {src.name: run_one(cfg, src, root, tok, initargs) for src in cfg.stage.datasets}
     template = {"assistant_header": probe.header, "end_of_turn": list(probe.ends),

@@ -23,6 +23,8 @@ _TRAINING_SHARED = {
     "target",
     "tokenizer",
     "trust_remote_code",
+    "revision",
+    "tokenizer_revision",
     "seed",
     "heldout_percent",
 }  # what the key holds

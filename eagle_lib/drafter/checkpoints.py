@@ -150,7 +150,7 @@ def export_final(cfg, out: Path) -> dict[str, str]:
     from eagle_lib.serving import export
 
     p, verifier = cfg.stage, models.resolve(cfg.shared.target)
-    arch = models.load_config(cfg.shared.target, cfg.shared.trust_remote_code).architectures
+    arch = models.load_config(cfg.shared.target, **models.hub_kwargs(cfg.shared)).architectures
     paths = export.export_all(
         load_drafter(out / "final"),
         out / "export",

@@ -57,7 +57,7 @@ class Trainer:
         if self.p.num_threads:  # as 05: one thread each keeps busy shared cores from oversubscribing
             torch.set_num_threads(self.p.num_threads)
         self.device = device or models.pick_device(shared.device)
-        self.hf_config = models.load_config(shared.target, shared.trust_remote_code)
+        self.hf_config = models.load_config(shared.target, **models.hub_kwargs(shared))
         self.config = recipe.drafter_config(self.hf_config, self.p)
         self.k, self.decay = ttt.resolve_preset(self.p.ttt_preset, self.p.ttt_steps, self.p.loss_decay)
         self.source, self.embed, self.lm_head, self.keep = self._source(models.resolve(shared.target))

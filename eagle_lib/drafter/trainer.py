@@ -169,7 +169,7 @@ def build(cfg: params.StageConfig, device, fp: str = ""):
     p = cfg.stage
     if p.max_seq_len > p.pack_len:
         raise params.ParamsError(f"{cfg.name}: max_seq_len {p.max_seq_len} > pack_len {p.pack_len}")
-    hf_config = models.load_config(cfg.shared.target, cfg.shared.trust_remote_code)
+    hf_config = models.load_config(cfg.shared.target, **models.hub_kwargs(cfg.shared))
     source, embed, lm_head, keep = _source(cfg, device, hf_config, fp)
     train_seqs, held, tally = batches.load_sequences(
         cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples, p.max_eval_samples, keep

@@ -84,6 +84,7 @@ def producer_config(p: dict, shared, text, ids: list[int], max_len: int, cpu: bo
         "tensor_parallel_size": p["tensor_parallel_size"],
         "max_model_len": max_len,
         "trust_remote_code": shared.trust_remote_code,
+        "revision": models.hub_kwargs(shared)["revision"],  # the pinned commit (remote code runs in vLLM too)
         "connector": "cpu" if cpu else "vllm",
         "units_per_call": 8,
         "max_buffer_bytes": int(p["max_buffer_gb"] * 2**30),

@@ -19,7 +19,7 @@ from transformers import AutoConfig
 from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.interfaces import supports_eagle3
 
-cfg = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "1")
+cfg = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "1", revision=sys.argv[3] or None)
 text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 out = {"num_layers": text.num_hidden_layers, "archs": {}}
 for arch in cfg.architectures or []:
@@ -34,8 +34,9 @@ print("PROBE " + json.dumps(out))
 
 
 def probe(
-    target: str, trust_remote_code: bool = False, python: str | Path | None = None, timeout_s: float = 300
-):
+    target: str, trust_remote_code: bool = False, python: str | Path | None = None, timeout_s: float = 300,
+    revision: str = "",
+):  # fmt: skip
     """The vLLM venv's answer: {num_layers, archs: {arch: None | {class, eagle3, aux_setter}}}."""
     from eagle_lib.engines.vllm_server import vllm_python
 
@@ -43,7 +44,7 @@ def probe(
     if not py.exists():
         raise FileNotFoundError(f"no vLLM interpreter at {py}: run scripts/install_vllm_cpu.sh")
     res = subprocess.run(
-        [str(py), "-c", _PROBE, str(target), "1" if trust_remote_code else "0"],
+        [str(py), "-c", _PROBE, str(target), "1" if trust_remote_code else "0", revision or ""],
         capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     line = next((x for x in res.stdout.splitlines() if x.startswith("PROBE ")), None)
@@ -53,13 +54,14 @@ def probe(
 
 
 def check(
-    target: str, aux_layers: list[int] | None = None, trust_remote_code: bool = False, python=None
-) -> list[dict]:
+    target: str, aux_layers: list[int] | None = None, trust_remote_code: bool = False, python=None,
+    revision: str = "",
+) -> list[dict]:  # fmt: skip
     """Checks: a vLLM class serves the target, it supports aux hidden-state output, the ids are in range."""
     from eagle_lib.models import resolve
 
     try:
-        info = probe(resolve(target), trust_remote_code, python)
+        info = probe(resolve(target), trust_remote_code, python, revision=revision)
     except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
         return [_c("vllm hidden states", False, f"{type(e).__name__}: {e}")]
     n = info["num_layers"]

@@ -53,6 +53,7 @@ class VllmPrefill:
             tensor_parallel_size=cfg["tensor_parallel_size"],
             max_model_len=cfg["max_model_len"],
             trust_remote_code=cfg["trust_remote_code"],
+            revision=cfg.get("revision"),
             enforce_eager=cfg["connector"] == "cpu",
             enable_prefix_caching=False,  # every request's hidden states come from its own prefill
             skip_tokenizer_init=True,
