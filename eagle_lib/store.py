@@ -72,13 +72,17 @@ def _is_record(raw: bytes) -> bool:
         return False
 
 
-def iter_jsonl(path: str | Path, tolerate_torn_tail: bool = True) -> Iterator[dict]:
+def iter_jsonl(
+    path: str | Path, tolerate_torn_tail: bool = True, torn: list[str] | None = None
+) -> Iterator[dict]:
     """Yield the records of a JSONL file, with the same torn-write rules as 04's byte scanner.
 
     Skipped as torn writes (when tolerated): a last line without its newline that does not parse (cut anywhere,
     inside a multi-byte UTF-8 character or right after an inner ``}`` or ``]``), and a line that opens an object
     but does not close it (a fragment an older writer terminated). A last line that parses is a record. Any other
     line that does not parse, an empty line inside the file and a non-object raise RecordError (file, line).
+    Each skipped torn line is appended to `torn` as ``file:line`` when a list is given (readers that train or
+    count on the records pass one: a skipped line is data lost, and must be counted).
     """
     path = Path(path)
     if not path.exists():
@@ -88,6 +92,8 @@ def iter_jsonl(path: str | Path, tolerate_torn_tail: bool = True) -> Iterator[di
             rec = _parse_line(path, lineno, raw, tolerate_torn_tail)
             if rec is not None:
                 yield rec
+            elif torn is not None and raw.strip():
+                torn.append(f"{path}:{lineno}")
 
 
 def _parse_line(path: Path, lineno: int, raw: bytes, tolerate: bool) -> dict | None:

@@ -47,6 +47,7 @@ class Tally:
     heldout: int = 0
     truncated: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    torn_lines: list[str] = field(default_factory=list)  # file:line of every torn line skipped
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -62,18 +63,19 @@ def _check(path: Path, rec: dict, ids, mask) -> None:
         raise ValueError(f"{where}: loss mask must hold only 0/1")
 
 
-def iter_raw(run_dir: str | Path):
-    """(path, record, input_ids, loss_mask) for every A record and B response under run_dir."""
+def iter_raw(run_dir: str | Path, torn: list[str] | None = None):
+    """(path, record, input_ids, loss_mask) for every A record and B response under run_dir; torn lines
+    skipped are appended to `torn` (``file:line``)."""
     run_dir = Path(run_dir)
     for path in sorted(run_dir.glob("data/A/*/records.jsonl")):
-        for rec in store.iter_jsonl(path):
+        for rec in store.iter_jsonl(path, torn=torn):
             if "input_ids" not in rec or "loss_mask" not in rec:
                 raise ValueError(f"{path}: record {rec.get('id')!r} lacks input_ids/loss_mask")
             _check(path, rec, rec["input_ids"], rec["loss_mask"])
             yield path, rec, rec["input_ids"], rec["loss_mask"]
     for path in sorted(run_dir.glob("infer/*/responses.jsonl")):
         turns = []  # each_turn records (03): a conversation's turns merged into few sequences, data.multiturn
-        for rec in store.iter_jsonl(path):
+        for rec in store.iter_jsonl(path, torn=torn):
             if "prompt_ids" not in rec or "output_ids" not in rec:
                 raise ValueError(f"{path}: response {rec.get('id')!r} lacks prompt_ids/output_ids")
             if "turn" in rec:
@@ -101,6 +103,11 @@ def data_fingerprint(run_dir: str | Path, **settings) -> str:
     return store.stable_hash({"files": files, **settings})
 
 
+MAX_TORN_SHARE = (
+    0.01  # torn lines above this share of the lines read fail the stage (a crash leaves one per file)
+)
+
+
 def load_sequences(
     run_dir, heldout_percent: float, max_seq_len: int, max_train: int = 0, max_eval: int = 0, keep=None
 ) -> tuple[list[Sequence], list[Sequence], Tally]:
@@ -109,7 +116,7 @@ def load_sequences(
     ``keep(ids) -> bool`` (optional) drops sequences a hidden source cannot serve (reason no_hidden_dump).
     """
     train, held, tally = [], [], Tally()
-    for _path, rec, ids, mask in iter_raw(run_dir):
+    for _path, rec, ids, mask in iter_raw(run_dir, tally.torn_lines):
         tally.read += 1
         sid = str(rec.get("id"))
         if len(ids) > max_seq_len:
@@ -129,6 +136,14 @@ def load_sequences(
         bucket.append(Sequence(sid, list(ids), list(mask)))
         tally.heldout += heldout
         tally.kept += not heldout
+    if tally.torn_lines:  # lines that held a record once: counted as read and dropped, and named
+        tally.read += len(tally.torn_lines)
+        tally.dropped["torn_line"] = len(tally.torn_lines)
+        if len(tally.torn_lines) > MAX_TORN_SHARE * tally.read:
+            raise ValueError(
+                f"{len(tally.torn_lines)} of {tally.read} record lines are torn writes (more than "
+                f"{MAX_TORN_SHARE:.0%}): {', '.join(tally.torn_lines[:10])}: rerun the stage that wrote them"
+            )
     return train, held, tally
 
 

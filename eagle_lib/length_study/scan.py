@@ -39,6 +39,7 @@ except ImportError:
 
 _ARRAYS = {"prompt": "q", "completion": "q", "reasoning": "q", "think_span": "q", "status": "b"}
 _STATUS = {"stop": 0, "length": 1}  # anything else: 2
+TORN_NAMED = 20  # torn lines named (file:line) per dataset; all are counted
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Lengths:
     limits: Counter = field(default_factory=Counter)  # max_new_tokens found in the records -> count
     read: int = 0  # non-empty lines
     torn: int = 0  # torn writes skipped
+    torn_at: list[str] = field(default_factory=list)  # file:line of the first TORN_NAMED of them
     duplicates: int = 0  # lines whose id came earlier
     bytes_read: int = 0
     ledger: bool = False  # 03 kept a ledger of started requests for this dataset
@@ -69,6 +71,11 @@ class Lengths:
         }
     )  # start, server, and the latest streamed count of tokens produced (n at time n_t; nan: none)
     servers: dict[str, int] = field(default_factory=dict)  # server name -> code in timing / in_flight
+
+    def add_torn(self, path, lineno: int) -> None:
+        self.torn += 1
+        if len(self.torn_at) < TORN_NAMED:
+            self.torn_at.append(f"{path}:{lineno}")
 
     def server_code(self, name) -> int:
         return self.servers.setdefault(str(name or ""), len(self.servers))
@@ -247,7 +254,9 @@ def scan_file(path: Path, out: Lengths, think_id: int | None, seen: set, block: 
             continue
         out.read += 1
         if not text.endswith(b"}") and (not ended or text.startswith(b"{")):
-            out.torn += 1  # a torn write: the last line, or a fragment later terminated by append_jsonl
+            out.add_torn(
+                path, lineno
+            )  # a torn write: the last line, or a fragment later terminated by append_jsonl
             continue
         try:
             got = scan(text, tok)
@@ -255,7 +264,7 @@ def scan_file(path: Path, out: Lengths, think_id: int | None, seen: set, block: 
             sid, limit, *row = got if out.kind == "A" else got[0]
         except ValueError as e:  # orjson.JSONDecodeError is a ValueError too
             if not ended:
-                out.torn += 1
+                out.add_torn(path, lineno)
                 continue
             raise RecordError(f"{path}: line {lineno}: {e}") from None
         if not isinstance(sid, str | int | None):

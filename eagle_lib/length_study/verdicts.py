@@ -144,8 +144,9 @@ def verdicts(completion: pd.DataFrame, proj: pd.DataFrame, lengths: list[Lengths
                         f"responses were generated with max_new_tokens {seen}, params say {max_new_tokens}"))  # fmt: skip
         if ls.torn or ls.duplicates:
             out.append(("info", ls.kind, ls.name, "skipped_lines", ls.torn + ls.duplicates, 0,
-                        f"skipped {ls.torn} torn line(s) (a write in progress or an interrupted one) and "
-                        f"{ls.duplicates} repeated id(s) (the first record of an id counts)"))  # fmt: skip
+                        f"skipped {ls.torn} torn line(s) (a write in progress or an interrupted one"
+                        + (f": {', '.join(ls.torn_at)}" if ls.torn_at else "")
+                        + f") and {ls.duplicates} repeated id(s) (the first record of an id counts)"))  # fmt: skip
     for _, r in proj[proj.tokens == "completion"].iterrows():
         if r["too_few_to_project"]:
             out.append(("warn", r["kind"], r["dataset"], "too_few_to_project", r["completed"],

@@ -135,6 +135,7 @@ def test_torn_lines_are_skipped_like_store_and_corruption_is_named(tmp_path):
         list(ls.arrays()["completion"]) == [len(r["output_ids"]) for r in store.iter_jsonl(f)] == [1, 2, 4, 5]
     )
     assert (ls.read, ls.torn) == (5, 1)  # the first fragment was truncated by the next append (store)
+    assert ls.torn_at == [f"{f}:5"]  # named, file:line
     g = tmp_path / "corrupt.jsonl"
     g.write_bytes(
         json.dumps(recs[0]).encode() + b'\n{"id": "z", "output_ids": [1], oops}\n' + f.read_bytes()[:50]
@@ -268,6 +269,8 @@ def test_run_writes_tables_verdicts_plots_and_a_tallied_meta(tmp_path):
     meta = store.read_json(out / "meta.json")
     store.check_tally(meta)
     assert meta["dropped"] == {"torn_line": 1} and meta["kept"] == 720
+    skipped = res.verdicts[res.verdicts.check == "skipped_lines"].message.tolist()
+    assert len(skipped) == 1 and "think/responses.jsonl:" in skipped[0]  # the 04 report names the line
     for name in ("completion", "prompt", "tokens", "projection", "verdicts"):
         pd.testing.assert_frame_equal(pd.read_csv(out / f"{name}.csv"), getattr(res, name).reset_index(drop=True),
                                       check_dtype=False)  # fmt: skip

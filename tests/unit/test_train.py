@@ -389,3 +389,25 @@ def test_resume_under_another_world_size_is_refused(world, tmp_path):
     ):
         checkpoints.resume(cut / "drafter", None, [], [], fp, world=2)
     assert checkpoints.resume.__defaults__[-1] == 1  # the single process is the default world
+
+
+def test_torn_lines_are_counted_named_and_fail_above_the_threshold(tmp_path):
+    """A torn line inside a responses file (a fragment an older writer terminated) used to vanish: 05 trained
+    on fewer records than 03 wrote and said nothing. It is counted as read and dropped, named file:line, and
+    past MAX_TORN_SHARE of the lines the stage fails."""
+    path = tmp_path / "infer/x/responses.jsonl"
+    recs = [{"id": f"r{i}", "prompt_ids": [1, 2, 3], "output_ids": [4, 5, 6], "finish_reason": "stop"}
+            for i in range(150)]  # fmt: skip
+    store.append_jsonl(path, recs[:60])
+    with open(path, "ab") as f:
+        f.write(b'{"id": "r_torn", "prompt_ids": [1, 2\n')  # line 61: a fragment, later terminated
+    store.append_jsonl(path, recs[60:])
+    tr, _, tally = batches.load_sequences(tmp_path, 0.0, 100)
+    assert len(tr) == 150 and tally.read == 151 and tally.dropped == {"torn_line": 1}
+    assert tally.torn_lines == [f"{path}:61"]
+    store.check_tally({"read": tally.read, "kept": tally.kept, "dropped": tally.dropped, "rejected": 0})
+    with open(path, "ab") as f:
+        f.write(b'{"id": "r_torn2", "output_ids": [4\n')
+    store.append_jsonl(path, recs[:1])
+    with pytest.raises(ValueError, match=rf"2 of 153 record lines are torn writes .*{path}:61, {path}:152"):
+        batches.load_sequences(tmp_path, 0.0, 100)
