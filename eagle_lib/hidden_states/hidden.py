@@ -133,16 +133,30 @@ class TargetHead(nn.Module):
         return x @ self.lm_head.T  # (B, T, V)
 
 
+class HubError(RuntimeError):
+    """The hub could not be asked (auth, gated repo, network, offline cache miss): not the same as 'absent'."""
+
+
 def _local_file(target: str, name: str) -> Path | None:
+    """The file `name` of a target directory or hub repo; None only when the hub says the repo has no such
+    file (404). Every other failure (401 / gated, missing repo, timeout, DNS, an offline cache miss) raises
+    HubError saying which: a user whose token expired must not read "no model.safetensors"."""
     p = Path(target) / name
     if p.parent.is_dir():
         return p if p.exists() else None
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
         return Path(hf_hub_download(target, name))
-    except Exception:  # the hub answers 404 as various errors: treat as absent
+    except LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and not in the cache
+        raise HubError(
+            f"{target}/{name}: not in the local cache and the hub cannot be reached ({e})"
+        ) from None
+    except EntryNotFoundError:  # the hub answered: no such file in the repo
         return None
+    except Exception as e:  # noqa: BLE001  (auth, gated, missing repo, network: all named as such)
+        raise HubError(f"{target}/{name}: {type(e).__name__}: {e}") from None
 
 
 def load_target_tensors(target: str, patterns: dict[str, list[str]]) -> dict[str, torch.Tensor]:

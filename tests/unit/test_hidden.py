@@ -119,3 +119,33 @@ def test_load_target_tensors_reads_only_named_tensors(target):
     )
     with pytest.raises(KeyError, match="nothing.weight"):
         hidden.load_target_tensors(str(path), {"x": ["nothing.weight"]})
+
+
+@pytest.mark.parametrize(
+    ("raised", "want"),
+    [("remote404", None), ("gated", "GatedRepoError"), ("dns", "ConnectionError"), ("offline", "cannot be reached"),
+     ("timeout", "TimeoutError")],
+)  # fmt: skip
+def test_hub_failures_are_named_not_read_as_a_missing_file(monkeypatch, raised, want):
+    """Only the hub's own 404 for the file means 'absent'; an expired token, a gated repo, DNS, a timeout or an
+    offline cache miss used to read as 'no model.safetensors'."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def fail(*a, **k):
+        resp = type("R", (), {"status_code": 404, "headers": {}, "request": None})()
+        raise {
+            "remote404": lambda: errors.RemoteEntryNotFoundError("404 Client Error", response=resp),
+            "gated": lambda: errors.GatedRepoError("401 Client Error: gated", response=resp),
+            "dns": lambda: ConnectionError("Name or service not known"),
+            "offline": lambda: errors.LocalEntryNotFoundError("offline mode"),
+            "timeout": lambda: TimeoutError("read timed out"),
+        }[raised]()
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+    if want is None:
+        with pytest.raises(FileNotFoundError, match=r"org/model: no model.safetensors"):
+            hidden.load_target_tensors("org/model", {"x": ["x"]})
+    else:
+        with pytest.raises(hidden.HubError, match=want):
+            hidden.load_target_tensors("org/model", {"x": ["x"]})
