@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Stage 05's schedule (`eagle_lib.drafter.trainer._schedule`): linear warmup, cosine to min_ratio."""
+    """Stage 05's schedule (`eagle_lib.drafter.recipe.lr_factor`; this side imports nothing of ours): linear warmup,
+    cosine to min_ratio."""
     if step < warmup:
         return (step + 1) / warmup
     frac = min(1.0, (step - warmup) / max(1, total - warmup))

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import models, store
-from eagle_lib.drafter import batches, checkpoints, distributed
+from eagle_lib.drafter import batches, checkpoints, distributed, recipe
 from eagle_lib.hidden_states import hidden, hidden_store
 from eagle_lib.hidden_states import hidden_buffer as hb
 
@@ -55,12 +55,11 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
     )
     stream = batches.BatchStream(train, p.pack_len, p.rows_per_batch, cfg.shared.seed)
     rank, world, _ = distributed.world()
-    group = world * p.grad_accum
-    total = p.max_steps or max(1, p.epochs * stream.per_epoch // group)
+    total = recipe.total_steps(p, stream.per_epoch, world)  # the trainer's own step count and batch order
     mbs = [
-        stream.micro_batch(s * group + rank * p.grad_accum + a)
+        stream.micro_batch(m)
         for s in range(total)
-        for a in range(p.grad_accum)
+        for m in recipe.micro_batches(s, rank, world, p.grad_accum)
     ]
     rows = batches.pack([len(s.input_ids) for s in held], p.pack_len)
     mbs += [
