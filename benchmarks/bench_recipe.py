@@ -142,9 +142,9 @@ def ema_weights(decay: float):
     if not decay:
         yield
         return
-    loop = trainer._loop
+    loop = trainer.fit
 
-    def with_ema(cfg, model, opts, *args, **kw):
+    def with_ema(name, p, model, opts, *args, **kw):
         params = [q for q in model.parameters() if q.requires_grad]
         ema = [q.detach().clone() for q in params]
         last = opts[-1]  # the average is taken once every optimizer of the step has stepped
@@ -157,17 +157,17 @@ def ema_weights(decay: float):
             return out
 
         last.step = step_and_average
-        history = loop(cfg, model, opts, *args, **kw)
+        history = loop(name, p, model, opts, *args, **kw)
         with torch.no_grad():
             for q, e in zip(params, ema, strict=True):
                 q.copy_(e)
         return history
 
-    trainer._loop = with_ema
+    trainer.fit = with_ema
     try:
         yield
     finally:
-        trainer._loop = loop
+        trainer.fit = loop
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
