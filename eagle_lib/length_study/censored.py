@@ -24,10 +24,9 @@ in-flight ones (longer than what they have typically produced; at the limit: at 
 scipy's optimizer (`lognormal_fit`). Reasoning lengths are close to lognormal; the model only places the point inside the
 nonparametric interval (it is clipped to it), it never narrows the interval.
 
-Why Kaplan-Meier and the bootstrap are written here: `kaplan_meier` computes every bootstrap replicate at once
-from (R, G) group weights; lifelines' KaplanMeierFitter fits one weighted sample per call (R = 2000 calls), and
-the predictive draws below are not a statistic scipy.stats.bootstrap resamples (tests check the KM against
-lifelines and against a product-limit loop).
+Written here, not taken from lifelines / scipy: `kaplan_meier` does all bootstrap replicates at once from (R, G)
+weights (lifelines fits one sample a call), and the predictive draws are no statistic scipy.stats.bootstrap
+resamples (tests check the KM against lifelines and a product-limit loop).
 
 Bootstrap. Units are resampled by multinomial counts over distinct (value, kind) groups, so a replicate costs
 O(distinct lengths), not O(samples). Each replicate is a predictive draw of the final quantity: the measured
