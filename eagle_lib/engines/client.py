@@ -25,6 +25,11 @@ class ServerError(RuntimeError):
         self.url, self.status = url, status
 
 
+def bearer(api_key: str | None) -> dict:
+    """The Authorization header of a server started with ``--api-key`` (SGLang, vLLM); {} without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def request(url: str, body: dict | None = None, timeout: float = 60.0, headers: dict | None = None) -> str:
     """GET (body None) or POST a JSON body; returns the response body as text."""
     data = None if body is None else json.dumps(body).encode()

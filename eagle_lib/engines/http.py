@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import aiohttp
 
+from eagle_lib.engines import client
 from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà vu, 東京, ```code```."
@@ -111,7 +112,7 @@ class HttpEngine(abc.ABC):
     # ---- shared helpers -------------------------------------------------------------------------------------
     def _session(self, timeout_s: float | None = None) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, connect=self.connect_timeout_s)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = client.bearer(self.api_key)
         return aiohttp.ClientSession(
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0)
         )

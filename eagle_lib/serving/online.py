@@ -207,7 +207,7 @@ def auth_headers(api_key_env: str) -> dict:
     from eagle_lib import params
 
     key = params.secret_from_env(api_key_env, "06_eval_acceptance online server")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return client.bearer(key)
 
 
 def measure(p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]]) -> dict[float, dict]:
@@ -224,8 +224,7 @@ def measure(p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]]
     return raw
 
 
-# --- online beside offline ----------------------------------------------------------------------------------
-# --- online tau against offline tau: the diagnosis -----------------------------------------------------------------------
+# --- online tau against offline tau: the diagnosis ---------------------------------------------------------
 COLLAPSE_CAUSES = [
     "SGLang started with --speculative-algorithm EAGLE instead of EAGLE3: fc and the aux layers are dropped, "
     "the drafter sees a 1 x hidden feature",
@@ -265,6 +264,7 @@ def diagnose(offline_tau: float | None, online_tau: float | None, tolerance: flo
     return _verdict(verdict, msg, causes if gap < 0 else ["different prompts or stopping rules"])
 
 
+# --- online beside offline ----------------------------------------------------------------------------------
 def same_output(server: list[int], reference: list[int], eos: set[int]) -> bool:
     """The server's whole output equals the offline greedy one; the only difference allowed is the stop token
     itself, which a server may leave out of its token ids."""
