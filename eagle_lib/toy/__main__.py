@@ -1,4 +1,5 @@
-"""CLI: ``python -m eagle_lib.toy build [--force]`` builds the toy world and prints its dir and build-log summary;
+"""CLI: ``python -m eagle_lib.toy build [--world toy|kimi] [--force]`` builds the toy world (or the mini-Kimi
+world, ``toy://kimi``) and prints its dir and build-log summary;
 ``python -m eagle_lib.toy resolve URI`` prints the local path of a toy:// URI."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import argparse
 import json
 import sys
 
-from eagle_lib.toy import world
+from eagle_lib.toy import mini_kimi, world
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,13 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse the cached) toy world")
     b.add_argument("--force", action="store_true", help="rebuild even if a cached world exists")
+    b.add_argument("--world", choices=["toy", "kimi"], default="toy", help="which world (default: toy)")
     r = sub.add_parser("resolve", help="print the local path of a toy:// URI")
     r.add_argument("uri")
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        root = world.build(force=args.force, log=lambda *a: print(*a, file=sys.stderr, flush=True))
+        log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+        mod = mini_kimi if args.world == "kimi" else world
+        root = mod.build(force=args.force, log=log)
         print(root)
-        print(world.summary(json.loads((root / "build_log.json").read_text())))
+        print(mod.summary(json.loads((root / "build_log.json").read_text())))
         return 0
     try:
         print(world.resolve(args.uri))

@@ -92,7 +92,12 @@ def build(recipe: dict | None = None, force: bool = False, log: Callable = print
     build_log.json (+ build_log.txt), recipe.json.
     """
     recipe = copy.deepcopy(recipe or RECIPE)
-    final = world_dir(recipe)
+    return build_cached(world_dir(recipe), lambda tmp: _build_into(tmp, recipe, log), force, log)
+
+
+def build_cached(final: Path, write: Callable[[Path], None], force: bool, log: Callable) -> Path:
+    """Run ``write(tmp)`` into a temporary sibling of ``final`` under a per-world lock, then rename it into place
+    (a world is complete once ``write`` has written its ``build_log.json``); the cached world unless ``force``."""
     if _is_complete(final) and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -103,11 +108,11 @@ def build(recipe: dict | None = None, force: bool = False, log: Callable = print
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; the published world is an ordinary readable dir
         try:
-            _build_into(tmp, recipe, log)
+            write(tmp)
             _publish(tmp, final, force)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    log(f"toy world ready: {final}")
+    log(f"world ready: {final}")
     return final
 
 
@@ -147,7 +152,7 @@ def _publish(tmp: Path, final: Path, force: bool) -> None:
 
 def _remove_stale_tmp(parent: Path) -> None:
     """Delete temp dirs of builds that crashed long ago (a live build's dir is recent)."""
-    for p in parent.glob(".toy-*"):
+    for p in [*parent.glob(".toy-*"), *parent.glob(".kimi-*")]:
         if p.is_dir() and time.time() - p.stat().st_mtime > STALE_TMP_SECONDS:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -277,8 +282,17 @@ def resolve(uri: str) -> str:
     if not uri.startswith("toy://"):
         return uri
     name = uri[len("toy://") :].strip("/")
+    if name == "kimi" or name.startswith("kimi/"):  # the mini-Kimi world: its target dir, or a path inside it
+        from eagle_lib.toy import mini_kimi
+
+        root = mini_kimi.build(log=_log_stderr)
+        rel = name[len("kimi/") :] if name.startswith("kimi/") else "target"
+        if not (root / rel).exists():
+            raise ValueError(f"unknown toy URI {uri!r}: the mini-Kimi world {root} has no {rel}")
+        return str(root / rel)
     if name not in TOY_NAMES:
-        raise ValueError(f"unknown toy URI {uri!r}; valid: {', '.join('toy://' + n for n in TOY_NAMES)}")
+        valid = ", ".join("toy://" + n for n in [*TOY_NAMES, "kimi"])
+        raise ValueError(f"unknown toy URI {uri!r}; valid: {valid}")
     root = world_dir() if _is_complete(world_dir()) else build(log=_log_stderr)
     if name == "target" and not (root / "target").is_dir():
         raise ValueError(f"toy world {root} was built without a target (train.steps == 0)")
