@@ -135,6 +135,7 @@ class _Candidates:
         self.out, self.seed, self.dedup, self.max_prompt_tokens = out, seed, dedup, max_prompt_tokens
         self.path = out.tmp / "candidates.jsonl"
         self.seen: set[str] = set()
+        self.ids: set[str] = set()
         self.keys: list[str] = []
         self.buf: list[dict] = []
 
@@ -146,7 +147,10 @@ class _Candidates:
             return self.out.add("dropped", "too_long")
         if self.dedup and key in self.seen:
             return self.out.add("dropped", "duplicate")
+        if rec["id"] in self.ids:  # two rows with one source id (dedup off): the first is kept
+            return self.out.add("dropped", "duplicate_id")
         self.seen.add(key)
+        self.ids.add(rec["id"])
         if "followups" in rec:  # each_turn: 03 stops a conversation whose next prompt leaves no room either
             rec["max_prompt_tokens"] = self.max_prompt_tokens
         self.keys.append(sample_key(self.seed, rec["id"]))

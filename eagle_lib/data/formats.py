@@ -372,14 +372,25 @@ ADAPTERS: dict[str, Callable[[dict, Source, str], dict]] = {
 }
 
 
-def record_id(src: Source, where: dict) -> str:
-    """Stable, unique id of a row: dataset name + line or row number in its source."""
+# the field of each schema that names a row itself (ShareGPT's conversation id, the SWE issue, ...)
+SOURCE_ID_FIELDS = {"sharegpt": "id", "swe_agent": "instance_id", "opencodeinstruct": "id",
+                    "ultrachat": "prompt_id", "openai": "id"}  # fmt: skip
+
+
+def record_id(src: Source, where: dict, row: Any = None) -> str:
+    """Stable id of a row: ``dataset:<the row's own id>`` where its schema has one (a re-download or another
+    streaming order keeps it, and with it the held-out split and 03's resume), else ``dataset:<line | row>``.
+    Rows sharing a source id (SWE-agent runs of one issue) are told apart by the stages (`DatasetOutput`)."""
+    field = SOURCE_ID_FIELDS.get(src.adapter)
+    val = row.get(field) if field and isinstance(row, dict) else None
+    if isinstance(val, (str, int)) and not isinstance(val, bool) and str(val).strip():
+        return f"{src.name}:{str(val).strip()}"
     return f"{src.name}:{where.get('line', where.get('row'))}"
 
 
 def adapt(row: dict, src: Source, where: dict) -> dict:
     """Normalize one raw row with the source's adapter (raises Malformed or Skip)."""
-    conv = ADAPTERS[src.adapter](row, src, record_id(src, where))
+    conv = ADAPTERS[src.adapter](row, src, record_id(src, where, row))
     conv["source"] = src.name
     if "messages" not in conv:
         return conv

@@ -154,15 +154,20 @@ class DatasetOutput:
         self.counts: Counter = Counter()
         self.dropped: Counter = Counter()
         self.reject_reasons: Counter = Counter()
+        self.ids: set[str] = set()
         self._buf: dict[str, list] = {records_file: [], "rejects.jsonl": []}
         self.started = time.time()
 
     def add(self, kind: str, payload: Any) -> None:
         """One row's outcome; a kept row's payload is a record or, for ``turns: each``, a list of them."""
         self.counts["read"] += 1
+        recs = payload if isinstance(payload, list) else [payload]
+        if kind == "kept" and any(r["id"] in self.ids for r in recs):  # a source id seen before: keep the first
+            kind, payload = "dropped", "duplicate_id"
         if kind == "kept":
             self.counts["kept"] += 1
-            for rec in payload if isinstance(payload, list) else [payload]:
+            self.ids.update(r["id"] for r in recs)
+            for rec in recs:
                 self.counts["sequences"] += 1
                 self._write(self.records_file, rec)
         elif kind == "dropped":

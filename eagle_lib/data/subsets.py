@@ -114,7 +114,7 @@ def original_sequences(
     }
     enc, out, tally = ChatEncoder(tokenizer, kwargs), [], Counter()
     for where, row, err in formats.iter_rows(src):
-        rid = formats.record_id(src, where)
+        rid = formats.record_id(src, where, row)
         if rid not in stored or err:
             continue
         try:

@@ -39,7 +39,7 @@ def source_conversations(run_dir: Path, ds: str, encoder, keep, cap: int, max_pr
     src, _ = subsets._source(run_dir, ds)
     out: dict[str, dict] = {}
     for where, row, err in formats.iter_rows(src):
-        rid = formats.record_id(src, where)
+        rid = formats.record_id(src, where, row)
         if err or not keep(rid):
             continue
         try:

@@ -1,6 +1,7 @@
 """Stage 07 on the ci run: the curve, its fit and verdict recorded; tables re-derived from the raw sums; the
 full-data point reproduces 06's tau; original responses are the datasets' own."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -75,9 +76,12 @@ def test_original_responses_are_the_raw_datasets(val):
     seqs, tally = subsets.original_sequences(run, "sharegpt", ids, tok, 1024)
     assert seqs and tally["kept"] == len(seqs)
     raw = models.resolve("toy://data/sharegpt")
-    lines = open(raw).read().splitlines()  # the toy file holds malformed rows too: parse only the used ones
+    by_id = {}  # ShareGPT rows are named by their own id; the toy file holds malformed rows too: skip those
+    for line in open(raw).read().splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            by_id[str(json.loads(line)["id"])] = json.loads(line)
     for s in seqs[:5]:
-        row = json.loads(lines[int(s.id.split(":")[1]) - 1])
+        row = by_id[s.id.split(":", 1)[1]]
         turns = row["conversations"]
         start = next(i for i, t in enumerate(turns) if t["from"] in ("human", "user"))
         first_gpt = next(t["value"] for t in turns[start:] if t["from"] not in ("human", "user", "system"))

@@ -16,6 +16,7 @@ malformed (200, not JSON), bad_schema (200, no output_ids), out_of_vocab, abort,
 timeout (answer after `timeout_sleep_s`).
 
 Run standalone:  python -m tests.support.sglang_standin --model DIR --port P [--faults JSON] [--tokenizer DIR]
+                 [--api-key-env VAR] [--trust-remote-code]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import random
 import threading
 import time
@@ -57,14 +59,24 @@ class Faults:
 class StandIn:
     """The server state: model, tokenizer, fault plans, request log."""
 
-    def __init__(self, model_dir: str, tokenizer_dir: str | None = None, faults: Faults | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer_dir: str | None = None,
+        faults: Faults | None = None,
+        api_key: str | None = None,
+        trust_remote_code: bool = False,
+    ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(1)
-        self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+        self.model_dir, self.api_key = model_dir, api_key  # api_key: 401 without it, as SGLang's --api-key
+        kw = {"trust_remote_code": trust_remote_code}
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir, **kw)
+        text = self.model.config.get_text_config()  # a multimodal wrapper's (Kimi-K2.5) language model config
+        self.vocab_size, self.max_len = text.vocab_size, text.max_position_embeddings
         self.faults = faults or Faults()
         self.rng = random.Random(self.faults.seed)
         self.counts: dict[str, int] = {}
@@ -125,7 +137,7 @@ async def generate(request: web.Request) -> web.Response:
     ids = body["input_ids"]
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
         return web.json_response({"error": {"message": "input_ids must be a list of ints"}}, status=400)
-    if max(ids) >= st.model.config.vocab_size:
+    if max(ids) >= st.vocab_size:
         return web.json_response({"error": {"message": "token id out of vocabulary"}}, status=400)
     act = st.action_for(ids)
     if st.faults.delay_s:
@@ -142,7 +154,7 @@ async def generate(request: web.Request) -> web.Response:
     if act == "abort":
         fr = {"type": "abort", "message": "stand-in abort"}
     if act == "out_of_vocab":
-        out = out[:-1] + [st.model.config.vocab_size + 7]
+        out = out[:-1] + [st.vocab_size + 7]
     if st.faults.trim_stop and finish == "stop":
         out = out[:-1]
     meta = {
@@ -198,12 +210,21 @@ async def tokenize(request: web.Request) -> web.Response:
         "input_ids"
     ]
     return web.json_response(
-        {"tokens": ids, "count": len(ids), "max_model_len": st.model.config.max_position_embeddings}
+        {"tokens": ids, "count": len(ids), "max_model_len": st.max_len}
     )
 
 
+@web.middleware
+async def require_key(request: web.Request, handler):
+    """With an API key set, every endpoint but /health answers 401 unless the request carries it."""
+    key = request.app[STATE].api_key
+    if key and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {key}":
+        return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+    return await handler(request)
+
+
 def make_app(state: StandIn) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[require_key])
     app[STATE] = state
     name = state.model_dir.rstrip("/").split("/")[-1]
     app.router.add_post("/generate", generate)
@@ -219,7 +240,7 @@ def make_app(state: StandIn) -> web.Application:
         )
 
     async def list_models(_):
-        n_ctx = state.model.config.max_position_embeddings
+        n_ctx = state.max_len
         return web.json_response(
             {"object": "list", "data": [{"id": name, "object": "model", "max_model_len": n_ctx}]}
         )
@@ -268,9 +289,12 @@ def main() -> None:
     ap.add_argument("--tokenizer")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--faults", default="")
+    ap.add_argument("--api-key-env", default="", help="environment variable holding the key (401 without it)")
+    ap.add_argument("--trust-remote-code", action="store_true")
     a = ap.parse_args()
+    key = os.environ[a.api_key_env] if a.api_key_env else None
     web.run_app(
-        make_app(StandIn(a.model, a.tokenizer, Faults.from_json(a.faults))),
+        make_app(StandIn(a.model, a.tokenizer, Faults.from_json(a.faults), key, a.trust_remote_code)),
         host="127.0.0.1",
         port=a.port,
         print=None,

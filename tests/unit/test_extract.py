@@ -95,8 +95,7 @@ def test_prompts_tally_and_prompt_ids(world, tmp_path):
 def test_swe_agent_one_prompt_per_instance(world, tmp_path):
     extract.run(make_cfg(world, tmp_path, [source(world, "swe_agent")]))
     prompts = store.read_jsonl(tmp_path / "data" / "B" / "swe_agent" / "prompts.jsonl")
-    lines = (world["data"] / "swe_agent.jsonl").read_text().splitlines()
-    instances = [json.loads(lines[int(p["id"].split(":")[1]) - 1])["instance_id"] for p in prompts]
+    instances = [p["id"].split(":", 1)[1] for p in prompts]  # SWE-agent rows are named by their issue
     valid_instances = {r["instance_id"] for r in world["valid"]["swe_agent"]}
     assert sorted(instances) == sorted(valid_instances)  # each instance once, none lost
     m = store.read_json(tmp_path / "data" / "B" / "swe_agent" / "meta.json")
@@ -126,6 +125,17 @@ def test_length_filter(world, tmp_path):
     assert m["dropped"]["too_long"] > 0 and all(p["n_prompt_tokens"] + 100 <= 200 for p in prompts)
 
 
+def test_rows_sharing_a_source_id_keep_the_first_and_count_the_rest(world, tmp_path):
+    """Without dedup, SWE-agent runs of one issue share its id: one prompt per id, the others dropped as
+    duplicate_id (03's resume and the held-out split key on ids)."""
+    extract.run(make_cfg(world, tmp_path, [source(world, "swe_agent")], dedup=False))
+    prompts = store.read_jsonl(tmp_path / "data" / "B" / "swe_agent" / "prompts.jsonl")
+    m = store.read_json(tmp_path / "data" / "B" / "swe_agent" / "meta.json")
+    runs = len(world["valid"]["swe_agent"])
+    assert len({p["id"] for p in prompts}) == len(prompts) == len({r["instance_id"] for r in world["valid"]["swe_agent"]})
+    assert m["dropped"]["duplicate_id"] == runs - len(prompts) > 0
+
+
 def test_cap_is_a_seeded_sample_independent_of_workers(world, tmp_path):
     def run(sub, workers, seed, batch):
         src = source(world, "ultrachat", max_prompts=10)
@@ -140,8 +150,10 @@ def test_cap_is_a_seeded_sample_independent_of_workers(world, tmp_path):
     assert meta["dropped"]["over_cap"] == meta["read"] - meta["rejected"] - 10 - sum(
         v for k, v in meta["dropped"].items() if k != "over_cap"
     )
-    rows = sorted(int(i.split(":")[1]) for i in a)
-    assert rows == sorted(rows) and rows[-1] > 20  # sampled across the file, not its first rows
+    lines = (world["data"] / "ultrachat.parquet").exists()
+    order = [r["prompt_id"] for r in world["valid"]["ultrachat"]]  # ultrachat rows are named by prompt_id
+    rows = sorted(order.index(i.split(":", 1)[1]) for i in a)
+    assert lines and rows[-1] > 20  # sampled across the file, not its first rows
     assert Counter(i.split(":")[0] for i in a) == {"ultrachat": 10}
 
 

@@ -345,14 +345,15 @@ def _adapted(src: formats.Source) -> list[dict]:
 @pytest.mark.parametrize("config, jsonl", [("chat", "native_chat.jsonl"), ("tools", "native_tools.jsonl")])
 def test_hub_layout_folder_reads_like_its_jsonl(hub_repo, datasets_cache, config, jsonl, streaming):
     """The hub path (datasets.load_dataset with config, split, streaming) on a local repo folder: the same
-    conversations as the jsonl file it was made from (ids aside: rows are numbered from 0, lines from 1)."""
+    conversations as the jsonl file it was made from, with the same ids: the rows' own ``id`` (not a row number
+    from 0 there and a line number from 1 here)."""
     root, repo = hub_repo
     hub = formats.Source(name="x", path=str(repo), adapter="openai", config=config, streaming=streaming)
     local = formats.Source(name="x", path=str(root / jsonl), adapter="openai")
     got, want = _adapted(hub), _adapted(local)
     assert len(got) == len(want) == 30
     for g, w in zip(got, want, strict=True):
-        assert g["id"].split(":")[1] == str(int(w["id"].split(":")[1]) - 1)
+        assert g["id"] == w["id"] and g["id"].startswith("x:native_")
         assert (g["messages"], g["tools"]) == (w["messages"], w["tools"])
     first = next(formats.iter_rows(hub))[0]
     assert first == {"file": f"{repo}[{config}:train]", "row": 0}
@@ -373,3 +374,33 @@ def test_hub_layout_max_read_data_files_and_bad_config(hub_repo, datasets_cache)
     assert [c["messages"] for c in _adapted(raw)] == [c["messages"] for c in _adapted(local)]
     with pytest.raises(ValueError, match="nope"):
         list(formats.iter_rows(formats.Source(name="x", path=str(repo), adapter="openai", config="nope")))
+
+
+@pytest.mark.parametrize("name, field", [("sharegpt", "id"), ("ultrachat", "prompt_id"),
+                                         ("opencodeinstruct", "id"), ("swe_agent", "instance_id"),
+                                         ("native_chat", "id")])  # fmt: skip
+def test_ids_are_the_sources_own_and_survive_another_row_order(name, field, tmp_path):
+    """A re-download or a streaming order that differs keeps every record's id (and so the held-out split and
+    03's resume): ids come from the schema's own id field, not from the line or row number."""
+    rows = [r for r, _ in toy_data.make_rows(name, 0, 4 if name == "swe_agent" else 12)]
+    for order, fname in ((rows, "a.jsonl"), (rows[::-1], "b.jsonl")):
+        (tmp_path / fname).write_text("".join(json.dumps(r) + "\n" for r in order))
+    ids = {}
+    for fname in ("a.jsonl", "b.jsonl"):
+        src = formats.Source(name=name, path=str(tmp_path / fname), adapter=TOY_ADAPTERS[name])
+        ids[fname] = {}
+        for where, row, _ in formats.iter_rows(src):
+            ids[fname].setdefault(formats.record_id(src, where, row), row)
+    if name == "swe_agent":  # several runs of one issue share its id (02 keeps one prompt per issue)
+        assert set(ids["a.jsonl"]) == set(ids["b.jsonl"])
+    else:
+        assert ids["a.jsonl"] == ids["b.jsonl"]  # same id -> same row, whatever the order
+    assert set(ids["a.jsonl"]) == {f"{name}:{r[field]}" for r in rows}
+
+
+def test_rows_without_an_id_field_keep_their_position_id():
+    src = formats.Source(name="g", path="x.jsonl", adapter="glaive")
+    assert formats.record_id(src, {"line": 7}, {"system": "", "chat": "USER: hi"}) == "g:7"
+    shared = formats.Source(name="s", path="x.jsonl", adapter="sharegpt")
+    assert formats.record_id(shared, {"line": 3}, {"id": "", "conversations": []}) == "s:3"  # empty: position
+    assert formats.record_id(shared, {"line": 3}, None) == "s:3"  # an unreadable row

@@ -52,7 +52,7 @@ def test_records_tally_and_rejects(world, tmp_path):
         raw = [
             json.loads(x) for x in (world["data"] / f"{name}.jsonl").read_text().splitlines() if _parses(x)
         ]
-        by_line = {i + 1: r for i, r in enumerate(_lines(world["data"] / f"{name}.jsonl"))}
+        by_id = {r["id"]: r for r in _lines(world["data"] / f"{name}.jsonl") if isinstance(r, dict) and "id" in r}
         recs = store.read_jsonl(d / "records.jsonl")
         assert len(recs) == m["kept"] and len({r["id"] for r in recs}) == len(recs) and raw
         for rec in recs:
@@ -67,7 +67,7 @@ def test_records_tally_and_rejects(world, tmp_path):
             }
             assert rec["n_tokens"] == len(rec["input_ids"]) == len(rec["loss_mask"]) and not rec["truncated"]
             assert rec["n_trainable"] == sum(rec["loss_mask"]) > 0 and rec["source"] == name
-            row = by_line[int(rec["id"].split(":")[1])]
+            row = by_id[rec["id"].split(":", 1)[1]]  # the native rows' own id
             msgs = row.get("messages") or row.get("conversations")
             want = tok.apply_chat_template(msgs, tools=row.get("tools") or None, return_dict=False)
             assert rec["input_ids"] == want  # the target's own template and tokenizer, nothing else
