@@ -107,6 +107,19 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool) -> subprocess.Pop
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+COMMAND_FILE = "COMMAND"  # in a buffer waiting for producers started by hand: the lines to run, one per producer
+
+
+def external_producers(buf: Path, n: int, log=print) -> list[str]:
+    """``start_producers: false``: the commands that serve this buffer (run them on the serving nodes, from the
+    repository, with the vLLM venv), written to ``<buf>/COMMAND`` and printed; returns them."""
+    cmds = [f".venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer {buf} --index {i} --count {n}"
+            for i in range(n)]  # fmt: skip
+    (buf / COMMAND_FILE).write_text("\n".join(cmds) + "\n")
+    log(f"waiting for {n} producer(s) started by hand on {buf} (start_producers: false); run:\n  " + "\n  ".join(cmds))
+    return cmds
+
+
 def log_tail(buf: Path, i: int, n: int = 30) -> str:
     path = buf / f"producer_{i}.log"
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
@@ -183,6 +196,8 @@ class VllmHidden:
         if start_producers and missing:
             cpu = self.device.type == "cpu"
             self.procs = [launch(self.buf, i, num_producers, self.session, cpu) for i in range(num_producers)]
+        elif missing:
+            external_producers(self.buf, num_producers)
         self._finalizer = weakref.finalize(self, stop, self.procs, self.buf / f"STOP.{self.session}")
 
     def _to_make(self, start: int) -> list[list[str]]:

@@ -111,6 +111,9 @@ class KeptSource:
             n, cpu = r["num_producers"], self.device.type == "cpu"
             self.procs[:] = [engine_hidden.launch(self.buf, i, n, self.session, cpu) for i in range(n)]
             self.stats["producer_sessions"] += 1
+        elif not r["start_producers"] and not (self.buf / engine_hidden.COMMAND_FILE).exists():
+            engine_hidden.external_producers(self.buf, r["num_producers"])
+            self.stats["producer_sessions"] += 1
         for j, unit in enumerate(units):
             path = self.buf / hb.unit_name(first + j)
             engine_hidden.wait_for(path, self.procs, self.buf)

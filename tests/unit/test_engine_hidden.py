@@ -7,6 +7,7 @@ never holds more than the buffer bound. tests/server/test_vllm_hidden.py runs th
 """
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +76,13 @@ def test_streamed_units_equal_online_and_respect_the_bound(target, tmp_path, mon
         tmp_path / "buf", units, tokens, 0, ids, AUX, head, 64, torch.device("cpu"),
         producer_cfg=producer_cfg(path, ids, bound), start_producers=False,
     )  # fmt: skip
-    prod = vllm_producer.Producer(tmp_path / "buf", 0, 1)
+    # start_producers: false names the buffer and the command for the serving nodes; start it as a user would
+    (cmd,) = (tmp_path / "buf" / engine_hidden.COMMAND_FILE).read_text().splitlines()
+    argv = cmd.split()
+    assert argv[:3] == [".venv-vllm/bin/python", "-m", "eagle_lib.hidden_states.vllm_producer"]
+    a = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert a == {"--buffer": str(tmp_path / "buf"), "--index": "0", "--count": "1"}
+    prod = vllm_producer.Producer(Path(a["--buffer"]), int(a["--index"]), int(a["--count"]))
     errors = []
     thread = threading.Thread(target=lambda: _run(prod, errors))
     thread.start()
