@@ -98,12 +98,27 @@ def _iter_hub(src: Any, hub_id: str) -> Iterator[tuple[dict, dict | None, str | 
     datasets.disable_progress_bars()  # progress bars go to stderr: noise in the executed reports
     datasets.logging.set_verbosity_error()
     kw = {"data_files": src.data_files} if src.data_files else {}
+    if Path(hub_id).is_dir():  # a local folder: cache under its content, never another folder's of that name
+        kw["cache_dir"] = str(Path(datasets.config.HF_DATASETS_CACHE) / "local" / folder_key(Path(hub_id)))
     ds = datasets.load_dataset(
         hub_id, name=src.config or None, split=src.split, streaming=src.streaming, **kw
     )
     label = f"{hub_id}[{src.config or 'default'}:{src.split}]"
     for i, row in enumerate(ds):
         yield {"file": label, "row": i}, _without_nulls(row), None
+
+
+def folder_key(folder: Path) -> str:
+    """A hash of a folder's path and its files' names, sizes and mtimes: `datasets` names its cache of a local
+    folder by the folder's name and the data files' names alone, so two folders called ``ultrachat_200k`` (or a
+    rebuilt one) would otherwise read each other's cached rows."""
+    import hashlib
+
+    h = hashlib.sha256(str(folder.resolve()).encode())
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
 
 
 def _without_nulls(val: Any) -> Any:

@@ -404,3 +404,18 @@ def test_rows_without_an_id_field_keep_their_position_id():
     shared = formats.Source(name="s", path="x.jsonl", adapter="sharegpt")
     assert formats.record_id(shared, {"line": 3}, {"id": "", "conversations": []}) == "s:3"  # empty: position
     assert formats.record_id(shared, {"line": 3}, None) == "s:3"  # an unreadable row
+
+
+def test_two_local_hub_folders_of_one_name_never_share_a_cache(tmp_path, datasets_cache):
+    """`datasets` caches a local folder with a README card under its name and the card's (relative) data files: a
+    second folder of that name (or the same folder rebuilt with other rows) read the first one's cached rows back
+    (found running the mini-Kimi world)."""
+    from eagle_lib.toy import mini_kimi
+
+    names = [name for name, _ in mini_kimi.HUB_LAYOUT.values()]
+    for sub, n in (("a", 4), ("b", 6)):
+        mini_kimi.write_hub_repos(tmp_path / sub, {name: [{"k": f"{sub}{i}"} for i in range(n)] for name in names})
+    for sub, n in (("a", 4), ("b", 6)):
+        src = formats.Source(name="u", path=str(tmp_path / sub / "HuggingFaceH4/ultrachat_200k"),
+                             adapter="ultrachat", split="train_sft")  # fmt: skip
+        assert [row["k"] for _, row, _ in formats.iter_rows(src)] == [f"{sub}{i}" for i in range(0, n, 2)]

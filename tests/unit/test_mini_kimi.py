@@ -109,8 +109,10 @@ def test_remote_code_imports_only_what_a_hub_repo_may():
             assert set(names) <= allowed, f"{path.name}: imports {names}"
 
 
-def test_hub_layout_folders_load_with_the_kimi_params_configs_and_splits(tmp_path):
+def test_hub_layout_folders_load_with_the_kimi_params_configs_and_splits(tmp_path, monkeypatch):
     import datasets as hf
+
+    monkeypatch.setattr(hf.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
     valid = {name: [{"k": f"{name}-{i}", "n": i} for i in range(6)] for name, _ in mini_kimi.HUB_LAYOUT.values()}
     counts = mini_kimi.write_hub_repos(tmp_path, valid)
