@@ -235,10 +235,10 @@ class HttpEngine(abc.ABC):
             work.put_nowait((r, 0, None))
         state = {"left": len(requests)}
         async with self._session() as session:
-            workers = [
+            workers = [  # server-interleaved: a batch smaller than all slots is spread over every server
                 asyncio.create_task(self._worker(session, url, work, state, emit, stop))
-                for url in self.urls
                 for _ in range(self.concurrency)
+                for url in self.urls
             ]
             await asyncio.gather(*workers)
 

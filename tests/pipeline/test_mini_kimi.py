@@ -48,26 +48,42 @@ def meta(run: Path, rel: str) -> dict:
 def test_01_tokenizes_with_the_remote_code_tokenizer_one_sequence_per_turn(mini_run):
     for name in ("kimi_native_chat", "kimi_native_tools", "kimi_native_swe"):
         m = meta(mini_run, f"data/A/{name}")
-        assert m["n_records"] > 0 and m["tokenizer"]["vocab_size"] == 163840, (name, m)
+        assert m["kept"] == m["read"] > 0 and m["sequences"] >= m["kept"], (name, m)
         recs = list(store.iter_jsonl(mini_run / f"data/A/{name}/records.jsonl"))
-        assert all(max(r["input_ids"]) < 163840 for r in recs)
+        assert len(recs) == m["sequences"] and all(max(r["input_ids"]) < 163840 for r in recs)
+        assert all(r["id"].startswith(f"{name}:native_") for r in recs)  # the rows' own ids
         assert any(163607 in r["input_ids"] for r in recs)  # Kimi's </think>
+    assert meta(mini_run, "data/A/kimi_native_chat")["sequences"] > meta(mini_run, "data/A/kimi_native_chat")["kept"]
 
 
-def test_02_reads_every_hub_layout_folder(mini_run):
+def test_02_reads_every_hub_layout_folder_by_its_configs_and_splits(mini_run):
     for name in ("glaive", "mot", "openthoughts_114k", "openthoughts3", "swe_agent", "opencodeinstruct",
                  "sharegpt", "ultrachat"):  # fmt: skip
         m = meta(mini_run, f"data/B/{name}")
-        assert m["n_prompts"] > 0, (name, m)
+        assert m["kept"] == (3 if name == "swe_agent" else 6) and m["rejected"] == 0, (name, m)
 
 
 def test_03_answers_every_prompt_through_the_keyed_sglang_servers(mini_run):
-    for name in ("glaive", "sharegpt", "swe_agent"):
-        rows = list(store.iter_jsonl(mini_run / f"infer/{name}/responses.jsonl"))
-        assert rows and all(r["output_ids"] for r in rows)
     m = meta(mini_run, "infer")
-    assert m["n_errors"] == 0, m
+    assert m["kept"] == m["read"] > 0 and m["dropped"] == {} and m["target"]["engine"] == "sglang", m
+    servers = set()
+    for d in ("glaive", "mot", "openthoughts_114k", "openthoughts3", "swe_agent", "opencodeinstruct",
+              "sharegpt", "ultrachat"):  # fmt: skip
+        dm = meta(mini_run, f"infer/{d}")
+        assert dm["errors"] == 0 and dm["stop_token_ids"] == [163586], (d, dm)
+        assert dm["sampling"]["temperature"] == 1.0 and dm["sampling"]["top_p"] == 0.95
+        rows = list(store.iter_jsonl(mini_run / f"infer/{d}/responses.jsonl"))
+        assert rows and all(r["output_ids"] and max(r["output_ids"]) < 163840 for r in rows)
+        servers |= {r["server"] for r in rows}
+    assert len(servers) == 3  # the work went to all three servers
+    assert meta(mini_run, "infer/sharegpt")["turns"] > meta(mini_run, "infer/sharegpt")["kept"]  # each_turn
 
 
-def test_04_finds_the_end_of_thinking_by_kimis_id(mini_run):
-    assert (mini_run / "analysis").is_dir()
+def test_04_counts_reasoning_by_kimis_end_of_thinking_id(mini_run):
+    import pandas as pd
+
+    s = json.loads((mini_run / "analysis" / "summary.json").read_text())
+    assert s["end_of_thinking_id"] == 163607 and s["datasets"] == 11
+    comp = pd.read_csv(mini_run / "analysis" / "completion.csv").set_index("dataset")
+    assert comp.loc["kimi_native_chat", "reasoning_tokens"] > 0  # Kimi's native chats think
+    assert comp["reasoning_tokens"].sum() + comp["answer_tokens"].sum() > 0

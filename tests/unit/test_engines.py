@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -288,6 +289,16 @@ def test_trimmed_stop_token_is_restored(world, prompts, standin):
     ref = embedded_ref(model, prompts[:6], s)
     assert any(r.finish_reason == "stop" for r in ref.values())
     assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in ref.items()}
+
+
+def test_a_batch_smaller_than_all_slots_reaches_every_server(world, prompts, standin):
+    """6 requests, 3 servers x 3 slots: each server answers 2 (the workers were made server by server, so the
+    first server's slots took all of a small batch and the last server idled: found on the mini-Kimi run)."""
+    s = Sampling(max_new_tokens=4)
+    standin.faults = Faults()
+    with ServerThread(standin) as a, ServerThread(standin) as b, ServerThread(standin) as c:
+        got = list(http(SGLangEngine, [a, b, c], s).generate(reqs(prompts[:6])))
+    assert Counter(r.server for r in got) == {a: 2, b: 2, c: 2}
 
 
 def test_a_failing_server_does_not_lose_work(world, prompts, standin):
