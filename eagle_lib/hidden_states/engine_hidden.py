@@ -71,8 +71,11 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
     return units, tokens, start_step * p.grad_accum
 
 
-def producer_config(p: dict, shared, text, ids: list[int], max_len: int, cpu: bool) -> dict:
-    """producer_config.json from 05's params (as a dict), the shared params and the target's text config."""
+def producer_config(
+    p: dict, shared, text, ids: list[int], max_len: int, cpu: bool, multimodal: bool = False
+) -> dict:
+    """producer_config.json from 05's params (as a dict), the shared params and the target's text config;
+    `multimodal`: the target is a wrapper around its language model (Kimi-K2.5), served language-model-only."""
     return {
         "target": models.resolve(shared.target),
         "layer_ids": ids,
@@ -88,6 +91,11 @@ def producer_config(p: dict, shared, text, ids: list[int], max_len: int, cpu: bo
         "units_per_call": 8,
         "max_buffer_bytes": int(p["max_buffer_gb"] * 2**30),
         "exit_with_parent": p["start_producers"],
+        "language_model_only": multimodal,  # no vision tower: text prefill needs none (and vLLM loads none)
+        # vLLM's CPU rotary custom op mis-rotates MLA queries in eager mode (hidden states ~1% off): native rope
+        "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}
+        if cpu and getattr(text, "kv_lora_rank", None)
+        else None,
     }
 
 
@@ -348,7 +356,9 @@ def make_source(cfg, device, hf_config, fingerprint: str):
     start_step = int(done[-1].name.removeprefix("step_")) if done else 0
     units, tokens, start = plan(cfg, start_step)
     max_len = max(len(v) for v in tokens.values()) + 8
-    producer_cfg = producer_config(p.model_dump(), cfg.shared, text, ids, max_len, device.type == "cpu")
+    producer_cfg = producer_config(
+        p.model_dump(), cfg.shared, text, ids, max_len, device.type == "cpu", text is not hf_config
+    )
     target = producer_cfg["target"]
     key = store.stable_hash({k: v for k, v in producer_cfg.items() if k in ("target", "layer_ids", "storage_dtype",
                              "model_dtype")} | {"units": units})  # fmt: skip

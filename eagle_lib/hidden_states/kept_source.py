@@ -40,7 +40,9 @@ class KeptSource:
         self.target = models.resolve(shared.target)
         self.head = hidden.load_target_head(self.target, hf_config).to(device)
         self.embed = hidden.load_target_embedding(self.target)
-        self.pcfg = engine_hidden.producer_config(recipe, shared, text, self.ids, 0, device.type == "cpu")
+        self.pcfg = engine_hidden.producer_config(
+            recipe, shared, text, self.ids, 0, device.type == "cpu", text is not hf_config
+        )
         self.ident = identity(self.target, hf_config, self.embed, self.head.lm_head, self.pcfg)
         self.kept: HiddenStore | None = None
         self.stats = {"kept_tokens": 0, "produced_tokens": 0, "producer_sessions": 0}

@@ -60,6 +60,7 @@ class VllmPrefill:
             speculative_config=spec,
             kv_transfer_config=conn,
             seed=0,
+            **{k: cfg[k] for k in ("language_model_only", "compilation_config") if cfg.get(k)},
         )
 
     def prefill(self, seqs: list[list[int]]) -> list[str]:

@@ -1,0 +1,162 @@
+"""Load an EAGLE / SGLang-format drafter export with SGLang's own loader, on CPU, and dump what it loaded.
+
+Run with the SGLang venv's interpreter (scripts/install_sglang_cpu.sh), never the project's:
+
+    .venv-sglang/bin/python tests/support/sglang_load.py --export DIR --out FILE [--dtype auto|float32|...]
+
+It imports nothing from eagle_lib. Steps, as an SGLang server's draft worker takes them (sglang 0.5.23):
+
+1. a single-process gloo world (torch.distributed, world size 1) and SGLang's model-parallel groups, after
+   publishing a ServerArgs for a CPU EAGLE3 run (SGLang's layers read their TP rank / size and the spec
+   settings from that published context);
+2. ``ModelConfig(DIR, is_draft_model=True, ...)`` (the draft ModelConfig the server builds from
+   ``--speculative-draft-model-path``) and SGLang's ``get_model``: it resolves the class from
+   ``architectures`` (``LlamaForCausalLMEagle3``), constructs it with ``config`` / ``quant_config`` under
+   the model dtype, and feeds DIR's safetensors, through SGLang's own weight iterator, to the class's
+   ``load_weights`` (which silently drops names it does not know);
+3. writes every parameter and buffer of the loaded model (name -> tensor, in its loaded dtype) to FILE
+   (safetensors), plus ``hot_token_id`` (what ``load_weights`` makes of ``d2t``: a plain attribute, no
+   parameter) under the key ``hot_token_id`` when set; and FILE with suffix ``.json``:
+   ``{"given": [names load_weights was given, in order], "dtype": ..., "class": ...,
+   "params": [parameter names], "buffers": [buffer names]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def define_torchvision_ops() -> None:
+    """Declare the two torchvision ops its Python package registers fakes for at import.
+
+    sglang.srt.configs imports torchvision (internvl_utils, for image transforms), and PyPI's torchvision is a
+    CUDA build whose C++ ops cannot load next to the CPU torch: ``import torchvision`` then fails in
+    ``_meta_registrations`` on ``torchvision::nms`` / ``qnms``, which it expects the C++ library to define.
+    Declaring their schemas lets the pure-Python package import; nothing here runs a torchvision op.
+    """
+    import torch
+
+    try:
+        torch.ops.torchvision.nms  # noqa: B018  (the C++ ops did load: nothing to do)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    define_torchvision_ops.lib = lib  # keep the registrations alive
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process(export: str, dtype: str) -> None:
+    """gloo world of one + SGLang's parallel state, with a CPU EAGLE3 ServerArgs published."""
+    import torch
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    server_args = ServerArgs(
+        model_path=export,  # the target's path in a real launch; only the draft is built here
+        device="cpu",
+        dtype=dtype,
+        tp_size=1,
+        pp_size=1,
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    parallel_state.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+        backend="gloo",
+    )
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    parallel_state.initialize_model_parallel(backend="gloo")
+    assert torch.distributed.get_world_size() == 1
+
+
+def load(export: str, dtype: str):
+    """(model, names given to load_weights) via SGLang's ModelConfig + get_model, on CPU."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    model_config = ModelConfig(export, is_draft_model=True, dtype=dtype, speculative_algorithm="EAGLE3")
+    cls, arch = get_model_architecture(model_config)
+    given: list[str] = []
+    original = cls.load_weights
+
+    def recording_load_weights(self, weights):
+        def tee():
+            for name, tensor in weights:
+                given.append(name)
+                yield name, tensor
+
+        return original(self, tee())
+
+    cls.load_weights = recording_load_weights
+    try:
+        model = get_model(
+            model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu")
+        )
+    finally:
+        cls.load_weights = original
+    return model, given, model_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", required=True, help="SGLang-format export directory (config.json + safetensors)")
+    ap.add_argument("--out", required=True, help="safetensors file for the loaded model's tensors")
+    ap.add_argument("--dtype", default="auto", help="SGLang's --dtype (auto: float32 configs load as float16)")
+    args = ap.parse_args(argv)
+
+    define_torchvision_ops()
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    init_single_process(args.export, args.dtype)
+    model, given, model_config = load(args.export, args.dtype)
+
+    tensors = {}
+    params = [n for n, _ in model.named_parameters()]
+    buffers = [n for n, _ in model.named_buffers()]
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        tensors[name] = t.detach().cpu().contiguous()
+    hot = getattr(model, "hot_token_id", None)
+    if hot is not None:
+        tensors["hot_token_id"] = hot.detach().cpu().contiguous()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out))
+    side = {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "given": given,
+        "params": params,
+        "buffers": buffers,
+        "hot_token_id": hot is not None,
+    }
+    out.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
+    print(f"loaded {len(given)} checkpoint tensors into {side['class']} ({side['dtype']}); wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
