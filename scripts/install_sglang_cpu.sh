@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Create the separate SGLang virtual environment used by tests/server/test_sglang_loader.py: SGLang's own
-# EAGLE-3 class (sglang.srt.models.llama_eagle3) loads our SGLang-format export on CPU; no server is started.
+# EAGLE-3 class (sglang.srt.models.llama_eagle3) loads our SGLang-format export on CPU; no server is started
+# (SGLang cannot serve on these CPUs).
 #
 #   bash scripts/install_sglang_cpu.sh            # idempotent: does nothing when .venv-sglang already works
 #   SGLANG_VENV=/path PYTHON=python3.11 bash scripts/install_sglang_cpu.sh
 #
 # What we learned (sglang 0.5.23 on PyPI):
-# - it pins torch==2.14.1 (CUDA) and ~80 GPU-only packages (flashinfer, sglang-kernel, deep-gemm, ...); none of
-#   them is needed to import the model class, build it and run its load_weights on CPU, so sglang goes in with
-#   --no-deps, after torch 2.13.0 (the CPU build these machines resolve), and then only the packages its import
-#   chain needs, under a constraint that keeps torch at 2.13.0 (compressed-tensors and torchvision would
-#   otherwise pull torch 2.14.1 and its 3 GB of CUDA wheels);
+# - it pins torch==2.14.1 (CUDA) and ~80 GPU-only packages (flashinfer, sglang-kernel, deep-gemm, ...); none
+#   of them is needed to import the model class, build it and run its load_weights on CPU. So: torch 2.13.0
+#   first (the CPU build these machines resolve), sglang with --no-deps, then only what its import chain and
+#   tests/support/sglang_load.py need, under a constraint that keeps torch at 2.13.0 (compressed-tensors and
+#   torchvision would otherwise pull torch 2.14.1 and its 3 GB of CUDA wheels);
 # - triton 3.8.0 is the one torch 2.14.1 (sglang's pin) asks for; on CPU it is only imported;
-# - SGLang cannot serve on these CPUs: only construct the class and load weights.
-# Measured on the 2-core CI machine: ~3 min from scratch, ~1.5 GB of disk.
+# - sglang.srt.configs imports torchvision, and PyPI's torchvision is a CUDA build: its C++ ops cannot load
+#   beside the CPU torch, and `import torchvision` then fails unless the schemas of torchvision::nms / qnms
+#   are declared first (the check below and sglang_load.py do; no torchvision op ever runs);
+# - SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) needs sgl_kernel's CPU build, which PyPI does not carry: the
+#   loader runs SGLang's generic path instead (see tests/support/sglang_load.py).
+# Measured on the 2-core CI machine (shared): ~4 min from scratch, 2.4 GB of disk (triton 0.9 GB, torch 0.75 GB).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,8 +27,8 @@ PYTHON="${PYTHON:-python3.11}"
 SGLANG_VERSION="0.5.23"
 TORCH_PIN="torch==2.13.0"
 MARKER="$VENV/.installed-sglang-$SGLANG_VERSION"
-# What `import sglang.srt.models.llama_eagle3` and the loader (tests/support/sglang_load.py) need on CPU; the
-# versions are sglang 0.5.23's own pins where it has one, else the ones this was tested with.
+# What `import sglang.srt.models.llama_eagle3`, SGLang's ModelConfig / get_model and its weight iterator need
+# on CPU; sglang 0.5.23's own pins where it has one, else the versions this was tested with.
 DEPS=(
     triton==3.8.0
     transformers==5.19.0
@@ -36,6 +41,8 @@ DEPS=(
     requests==2.34.2
     pillow==13.0.0
     starlette==1.10.0
+    fastapi==0.165.0
+    uvicorn==0.54.0
     msgspec==0.23.0
     pyzmq==27.3.0
     ipython==9.18.1
@@ -46,6 +53,9 @@ DEPS=(
     sentencepiece==0.2.1
     compressed-tensors==0.18.0
     gguf==0.19.0
+    openai==2.8.0
+    partial-json-parser==0.2.1.1.post7
+    einops==0.8.2
 )
 
 check() {
@@ -55,7 +65,10 @@ from importlib.metadata import version
 assert version("sglang") == sys.argv[1], version("sglang")
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__
-import sglang.srt.models.llama_eagle3  # noqa: F401  (the class the loader test builds)
+lib = torch.library.Library("torchvision", "DEF")  # PyPI torchvision's C++ ops cannot load: see above
+lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+import sglang.srt.models.llama_eagle3  # noqa: F401  (the class tests/support/sglang_load.py builds)
 print("sglang", version("sglang"), "torch", torch.__version__)
 EOF
 }

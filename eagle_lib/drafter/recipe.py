@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from pydantic import model_validator
+
 from eagle_lib import params, store
 
 # settings that do not change the trained weights (may differ on resume)
@@ -126,6 +128,14 @@ class Params(params.Strict):
     final_checkpoint: Literal["last", "best_measured"] = (
         "last"  # weights in final/: last (the last step's) or best_measured (highest measured tau)
     )
+
+    @model_validator(mode="after")
+    def _epochs_or_steps(self):
+        # the Kimi params said epochs: 2 while the default max_steps (80) silently decided: found on the mini run
+        if "epochs" in self.model_fields_set and self.max_steps and "max_steps" not in self.model_fields_set:
+            raise ValueError(f"epochs: {self.epochs} is ignored while max_steps is {self.max_steps} (its default): "
+                             "set max_steps: 0 to train by epochs, or set max_steps explicitly")  # fmt: skip
+        return self
 
 
 def fingerprint(stage: Params, shared: params.SharedParams) -> str:

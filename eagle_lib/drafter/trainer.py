@@ -15,6 +15,7 @@ import torch
 from eagle_lib import models, params, store
 from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, recipe, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, save_state
+from eagle_lib.engines import machine
 
 # tqdm.auto (imported by transformers / huggingface_hub while the target loads) warns on stderr in a kernel without
 # ipywidgets: noise in the executed 05 report
@@ -89,6 +90,10 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
         tmp.touch()
         tmp.replace(log)
     autocast = use_autocast(p, device)
+    if autocast and device.type == "cpu" and not machine.native_bf16() and rank == 0:
+        print("warning: precision bf16 on a CPU without avx512_bf16/AMX: torch emulates bf16 matmuls, ~36x "
+              "slower than fp32 here (eagle_lib.engines.machine.native_bf16); precision: fp32 trains the same "
+              "recipe in full precision", flush=True)  # fmt: skip
     params_ = [q for q in model.parameters() if q.requires_grad]
     every = p.log_every if log_every is None else log_every
     bad, stop = 0, (start + p.stop_after_steps if p.stop_after_steps else total)

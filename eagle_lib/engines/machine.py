@@ -37,6 +37,16 @@ def cpu_model_and_flags(cpuinfo: str) -> tuple[str, dict[str, bool]]:
     return model, {f: f in flags for f in ISA_FLAGS}
 
 
+def native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX); without it, torch emulates bf16 matmuls,
+    measured ~36x slower than fp32 on an AVX2-only EPYC (1024x384 @ 384x1024: 673 ms vs 18.6 ms, 1 thread)."""
+    try:
+        _, flags = cpu_model_and_flags(Path(cpuinfo_path).read_text())
+    except OSError:
+        return True  # not Linux: no claim
+    return flags["avx512_bf16"] or flags["amx_bf16"]
+
+
 def vllm_ops_build(python: Path) -> str:
     """Which build of vLLM's ops vLLM loads on this CPU, asked in a subprocess of the vLLM venv's `python`."""
     if not python.exists():

@@ -11,17 +11,62 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shlex
+import signal
+import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
 from eagle_lib import store
+from eagle_lib.hidden_states import engine_hidden
 from eagle_lib.pipeline import REPO_ROOT, run_pipeline
 from tests.support import sglang_standin
 
 MINI = REPO_ROOT / "params" / "mini_kimi.yaml"
 KEY_ENV, KEY = "SGLANG_API_KEY", "mini-kimi-test-key"
+
+
+class Producers:
+    """The serving nodes' side of ``start_producers: false``: whenever 05 or 07 writes a buffer's COMMAND file
+    (and prints it), run its lines from the repository root, as a user would on the nodes (CPU: 1 thread each)."""
+
+    def __init__(self, root: Path):
+        self.root, self.procs, self.seen = root, [], set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        from eagle_lib.engines.vllm_server import cpu_env
+
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **cpu_env(kv_cache_gib=1, threads=1)}
+        while not self.stop.wait(0.5):
+            for cmd_file in self.root.rglob(engine_hidden.COMMAND_FILE) if self.root.exists() else []:
+                for line in cmd_file.read_text().splitlines():
+                    if line and (cmd_file, line) not in self.seen:
+                        self.seen.add((cmd_file, line))
+                        log = open(cmd_file.parent / f"by_hand_{len(self.seen)}.log", "ab")  # noqa: SIM115
+                        self.procs.append(subprocess.Popen(shlex.split(line), cwd=REPO_ROOT, env=env, stdout=log,
+                                                           stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+
+    def __enter__(self) -> Producers:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        for p in self.procs:  # by PID: the process group each was started in
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +82,10 @@ def mini_run(tmp_path_factory) -> Path:
         params = tmp_path_factory.mktemp("mini_kimi") / "mini_kimi.yaml"
         params.write_text(yaml.safe_dump(cfg, sort_keys=False))
         mp.setenv(KEY_ENV, KEY)
-        manifest = run_pipeline(params, stages="01-04")
+        buffers = REPO_ROOT / cfg["stages"]["05_train_eagle3"]["hidden_dump_dir"]
+        producers = stack.enter_context(Producers(buffers))
+        manifest = run_pipeline(params, stages="01-05")
+        assert producers.seen, "05 never asked for producers"
     return Path(manifest["run_dir"])
 
 
@@ -60,7 +108,7 @@ def test_02_reads_every_hub_layout_folder_by_its_configs_and_splits(mini_run):
     for name in ("glaive", "mot", "openthoughts_114k", "openthoughts3", "swe_agent", "opencodeinstruct",
                  "sharegpt", "ultrachat"):  # fmt: skip
         m = meta(mini_run, f"data/B/{name}")
-        assert m["kept"] == (3 if name == "swe_agent" else 6) and m["rejected"] == 0, (name, m)
+        assert m["kept"] == (1 if name == "swe_agent" else 2) and m["rejected"] == 0, (name, m)
 
 
 def test_03_answers_every_prompt_through_the_keyed_sglang_servers(mini_run):

@@ -52,6 +52,21 @@ def define_torchvision_ops() -> None:
     define_torchvision_ops.lib = lib  # keep the registrations alive
 
 
+def rope_without_kernel() -> None:
+    """Let SGLang's RotaryEmbedding be constructed without a rope kernel.
+
+    SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs sgl_kernel's CPU build, which PyPI does not carry
+    (its import chain reaches ``from sgl_kernel import ...`` in sglang.kernels.ops.kvcache). Without that
+    switch SGLang takes this machine for a non-CUDA GPU build, and RotaryEmbedding.__init__ imports
+    ``vllm._custom_ops.rotary_embedding`` as its fallback kernel. Telling that one module it runs on CPU
+    makes it keep its native torch rope instead: it changes no parameter, buffer or weight loader (the
+    cos/sin cache is computed the same way), and no forward is run here.
+    """
+    from sglang.srt.layers.rotary_embedding import base
+
+    base._is_cpu = True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,6 +134,39 @@ def load(export: str, dtype: str):
     return model, given, model_config
 
 
+# Attributes SGLang's modules keep from config.json that decide what the weights mean (the test checks them
+# against the drafter's config): norm eps, rope, the fc input width and the vocab sizes of the padded heads.
+FACTS = (
+    "variance_epsilon",
+    "base",
+    "rotary_dim",
+    "head_size",
+    "max_position_embeddings",
+    "is_neox_style",
+    "num_aux_hidden_states",
+    "hidden_size_in",
+    "org_vocab_size",
+    "num_embeddings",
+    "num_embeddings_padded",
+    "norm_before_fc",
+    "norm_output",
+)
+
+
+def module_facts(model) -> dict:
+    """{module name: {attribute: value}} for the FACTS attributes a module has (JSON-able values only)."""
+    out = {}
+    for name, mod in model.named_modules():
+        facts = {
+            a: getattr(mod, a)
+            for a in FACTS
+            if isinstance(getattr(mod, a, None), bool | int | float | str) and a in vars(mod)
+        }
+        if facts:
+            out[name or "."] = {"type": type(mod).__name__, **facts}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", required=True, help="SGLang-format export directory (config.json + safetensors)")
@@ -131,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
+    rope_without_kernel()
     init_single_process(args.export, args.dtype)
     model, given, model_config = load(args.export, args.dtype)
 
@@ -152,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": params,
         "buffers": buffers,
         "hot_token_id": hot is not None,
+        "modules": module_facts(model),
     }
     out.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
     print(f"loaded {len(given)} checkpoint tensors into {side['class']} ({side['dtype']}); wrote {out}")

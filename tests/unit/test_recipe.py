@@ -49,3 +49,23 @@ def test_the_step_count_is_the_same_for_any_split_of_the_global_batch():
         == recipe.total_steps(recipe.single_process(p, 8), 100, 1)
     )
     assert recipe.total_steps(p.model_copy(update={"max_steps": 5}), 100, 8) == 5
+
+
+def test_the_kimi_params_train_by_their_epochs_not_the_default_step_count():
+    """params/kimi_k25.yaml said epochs: 2 while max_steps kept its default (80): a real run would have trained
+    80 steps whatever the data (found running params/mini_kimi.yaml). The params now say max_steps: 0, and a file
+    that sets epochs without max_steps is refused."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("kimi_k25.yaml", "mini_kimi.yaml"):
+        cfg = yaml.safe_load((root / "params" / name).read_text())["stages"]["05_train_eagle3"]
+        p = recipe.Params(**{k: v for k, v in cfg.items() if k in recipe.Params.model_fields})
+        per_epoch, world = 10_000, cfg["nproc_per_node"]
+        assert recipe.total_steps(p, per_epoch, world) == 2 * per_epoch // (world * cfg["grad_accum"])
+    with pytest.raises(ValueError, match="max_steps: 0"):
+        recipe.Params(epochs=2)
+    assert recipe.total_steps(recipe.Params(epochs=2, max_steps=0), 100, 1) == 200
+    assert recipe.Params(epochs=3, max_steps=5).max_steps == 5  # both set: the steps, as asked
