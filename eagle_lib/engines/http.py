@@ -90,6 +90,7 @@ class HttpEngine(abc.ABC):
         if not urls:
             raise EngineError(f"engine {self.name}: no server URLs given (server_urls is empty)")
         self.urls = [u.rstrip("/") for u in urls]
+        self._calls = 0  # generate() calls so far (rotates which server a call starts with)
         self.sampling, self.vocab_size, self.concurrency = sampling, vocab_size, concurrency
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.max_retries, self.backoff_s, self.backoff_max_s = max_retries, backoff_s, backoff_max_s
@@ -235,10 +236,15 @@ class HttpEngine(abc.ABC):
             work.put_nowait((r, 0, None))
         state = {"left": len(requests)}
         async with self._session() as session:
-            workers = [  # server-interleaved: a batch smaller than all slots is spread over every server
+            # server-interleaved, starting one server further each call: small batches (a dataset's last turns)
+            # are spread over every server instead of always landing on the first ones
+            k = self._calls % len(self.urls)
+            self._calls += 1
+            order = self.urls[k:] + self.urls[:k]
+            workers = [
                 asyncio.create_task(self._worker(session, url, work, state, emit, stop))
                 for _ in range(self.concurrency)
-                for url in self.urls
+                for url in order
             ]
             await asyncio.gather(*workers)
 

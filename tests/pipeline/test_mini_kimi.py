@@ -135,3 +135,21 @@ def test_04_counts_reasoning_by_kimis_end_of_thinking_id(mini_run):
     comp = pd.read_csv(mini_run / "analysis" / "completion.csv").set_index("dataset")
     assert comp.loc["kimi_native_chat", "reasoning_tokens"] > 0  # Kimi's native chats think
     assert comp["reasoning_tokens"].sum() + comp["answer_tokens"].sum() > 0
+
+
+def test_05_trains_on_producers_started_by_hand_fsdp_bf16(mini_run):
+    m = meta(mini_run, "drafter")
+    p = m["params"]
+    assert (p["hidden_source"], p["start_producers"], p["distributed"], p["precision"]) == ("vllm", False, "fsdp", "bf16")
+    assert m["world_size"] == 2 and m["kept"] > 0 and m["torn_lines"] == []
+    bound = int(p["max_buffer_gb"] * 2**30)
+    ranks = sorted((mini_run / p["hidden_dump_dir"].removeprefix("outputs/mini_kimi/")).glob("*/rank*"))
+    assert [r.name for r in ranks] == ["rank0", "rank1"]
+    for r in ranks:  # each rank's buffer was served by the command it wrote, within the bound
+        stats = json.loads((r / "producer_0.json").read_text())
+        assert stats["state"] == "done" and 0 < stats["peak_buffer_bytes"] <= bound
+        assert (r / engine_hidden.COMMAND_FILE).read_text().startswith(".venv-vllm/bin/python -m eagle_lib")
+    for fmt in ("sglang", "speculators"):
+        cfg = json.loads((mini_run / "drafter" / "export" / fmt / "config.json").read_text())
+        assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
+    assert (mini_run / "drafter" / "final" / "model.safetensors").is_file()

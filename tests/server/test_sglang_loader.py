@@ -89,7 +89,9 @@ def sglang_python() -> Path:
 def sglang_py() -> Path:
     py = sglang_python()
     if not py.exists():  # CI installs it (make sglang-env): a missing venv is a failure, not a skip
-        pytest.fail(f"no SGLang interpreter at {py}: run scripts/install_sglang_cpu.sh (or set {SGLANG_PYTHON_ENV})")
+        pytest.fail(
+            f"no SGLang interpreter at {py}: run scripts/install_sglang_cpu.sh (or set {SGLANG_PYTHON_ENV})"
+        )
     return py
 
 
@@ -108,7 +110,9 @@ def sglang_load(py: Path, export_dir: Path, out: Path, dtype: str) -> tuple[dict
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [str(py), str(LOADER), "--export", str(export_dir), "--out", str(out), "--dtype", dtype]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LOAD_TIMEOUT_S, cwd=out.parent)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=LOAD_TIMEOUT_S, cwd=out.parent
+    )
     if proc.returncode != 0:
         pytest.fail(
             f"SGLang's loader failed (rc {proc.returncode}): {' '.join(cmd)}\n"
@@ -129,6 +133,10 @@ def shard_rows(key: str, c: Eagle3Config) -> slice:
         "midlayer.mlp.up_proj.weight": slice(inter, 2 * inter),
         "lm_head.weight": slice(0, c.draft_vocab_size),
     }.get(key, slice(None))
+
+
+def fmt(rows: slice) -> str:
+    return f"[{'' if rows.start is None else rows.start}:{'' if rows.stop is None else rows.stop}]"
 
 
 def sglang_name(key: str) -> str:
@@ -154,7 +162,9 @@ def compare(
     if side["class"] != "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3":
         problems.append(f"SGLang built {side['class']}, not its LlamaForCausalLMEagle3")
     if sorted(side["given"]) != sorted(file):
-        problems.append(f"SGLang's weight iterator gave {sorted(side['given'])}, the file holds {sorted(file)}")
+        problems.append(
+            f"SGLang's weight iterator gave {sorted(side['given'])}, the file holds {sorted(file)}"
+        )
     dtype = getattr(torch, side["dtype"])
     covered = {name: torch.zeros(t.shape[0], dtype=torch.bool) for name, t in loaded.items() if t.dim() > 0}
 
@@ -164,7 +174,9 @@ def compare(
             continue
         name = sglang_name(key)
         if name not in loaded:
-            problems.append(f"{key}: SGLang maps it to {name}, which its model does not have (dropped silently)")
+            problems.append(
+                f"{key}: SGLang maps it to {name}, which its model does not have (dropped silently)"
+            )
             continue
         if key == "d2t":
             want = t + torch.arange(t.shape[0])
@@ -176,15 +188,17 @@ def compare(
         rows = shard_rows(key, c)
         got = loaded[name][rows]
         if got.shape != t.shape:
-            problems.append(f"{key}: shape {tuple(t.shape)} but SGLang's {name}[{rows}] is {tuple(got.shape)}")
+            problems.append(
+                f"{key}: shape {tuple(t.shape)} but SGLang's {name}{fmt(rows)} is {tuple(got.shape)}"
+            )
             continue
         if got.dtype != dtype:
             problems.append(f"{key}: SGLang holds {name} in {got.dtype}, its model dtype is {dtype}")
         if not torch.equal(got, t.to(got.dtype)):
             diff = (got.float() - t.float()).abs().max().item()
-            problems.append(f"{key}: values differ from SGLang's {name}[{rows}] (max |diff| {diff:.3g})")
+            problems.append(f"{key}: values differ from SGLang's {name}{fmt(rows)} (max |diff| {diff:.3g})")
         if covered[name][rows].any():
-            problems.append(f"{key}: rows {rows} of {name} filled twice")
+            problems.append(f"{key}: rows {fmt(rows)} of {name} filled twice")
         covered[name][rows] = True
 
     # 2. model -> file: every loaded row came from the file, or is legitimately absent
@@ -197,7 +211,9 @@ def compare(
     for name, mask in covered.items():
         if name in absent:
             if mask[absent[name]].any():
-                problems.append(f"{name}: rows {absent[name]} are meant to be absent from the export but got filled")
+                problems.append(
+                    f"{name}: rows {fmt(absent[name])} are meant to be absent from the export but got filled"
+                )
             mask[absent[name]] = True
         if not mask.all():
             rows = mask.logical_not().nonzero().flatten()
@@ -211,7 +227,9 @@ def compare(
 
     # 3. what SGLang read from config.json
     rope = loaded.get("model.layers.0.self_attn.rotary_emb.cos_sin_cache")
-    if rope is None or not torch.allclose(rope.float(), expected_rope_cache(c, rope.dtype).float(), atol=1e-6):
+    if rope is None or not torch.allclose(
+        rope.float(), expected_rope_cache(c, rope.dtype).float(), atol=1e-6
+    ):
         problems.append("rotary cos/sin cache != the drafter's rope (rope_theta, head_dim, max positions)")
     mods = side["modules"]
     want = {
@@ -229,7 +247,10 @@ def compare(
             (m, "variance_epsilon"): c.rms_norm_eps
             for m in (
                 "model.norm",
-                *(f"model.layers.0.{n}" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
+                *(
+                    f"model.layers.0.{n}"
+                    for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")
+                ),
             )
         },
     }

@@ -9,8 +9,9 @@ It imports nothing from eagle_lib. Steps, as an SGLang server's draft worker tak
 1. a single-process gloo world (torch.distributed, world size 1) and SGLang's model-parallel groups, after
    publishing a ServerArgs for a CPU EAGLE3 run (SGLang's layers read their TP rank / size and the spec
    settings from that published context);
-2. ``ModelConfig(DIR, is_draft_model=True, ...)`` (the draft ModelConfig the server builds from
-   ``--speculative-draft-model-path``) and SGLang's ``get_model``: it resolves the class from
+2. ``ModelConfig.from_server_args(server_args, model_path=DIR, is_draft_model=True)`` (as the scheduler
+   builds the draft's config from ``--speculative-draft-model-path``) and SGLang's ``get_model``
+   (DefaultModelLoader, load format ``auto``, device ``cpu``): it resolves the class from
    ``architectures`` (``LlamaForCausalLMEagle3``), constructs it with ``config`` / ``quant_config`` under
    the model dtype, and feeds DIR's safetensors, through SGLang's own weight iterator, to the class's
    ``load_weights`` (which silently drops names it does not know);
@@ -18,7 +19,12 @@ It imports nothing from eagle_lib. Steps, as an SGLang server's draft worker tak
    (safetensors), plus ``hot_token_id`` (what ``load_weights`` makes of ``d2t``: a plain attribute, no
    parameter) under the key ``hot_token_id`` when set; and FILE with suffix ``.json``:
    ``{"given": [names load_weights was given, in order], "dtype": ..., "class": ...,
-   "params": [parameter names], "buffers": [buffer names]}``.
+   "params": [parameter names], "buffers": [buffer names], "modules": {module: {attribute: value}}}``
+   (``modules``: what SGLang's modules took from config.json: norm eps, rope, fc width, vocab sizes).
+
+Two adjustments for these CPUs, neither touching a weight or a weight loader: ``define_torchvision_ops``
+(PyPI's torchvision cannot load its C++ ops beside the CPU torch) and ``rope_without_kernel`` (SGLang's CPU
+engine needs a kernel build PyPI lacks). No forward pass is run.
 """
 
 from __future__ import annotations
@@ -73,10 +79,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_single_process(export: str, dtype: str) -> None:
-    """gloo world of one + SGLang's parallel state, with a CPU EAGLE3 ServerArgs published."""
+def init_single_process(export: str, dtype: str):
+    """gloo world of one + SGLang's parallel state, with a CPU EAGLE3 ServerArgs published; returns it."""
     import torch
-
     from sglang.srt.distributed import parallel_state
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
@@ -89,6 +94,8 @@ def init_single_process(export: str, dtype: str) -> None:
         dtype=dtype,
         tp_size=1,
         pp_size=1,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=export,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     parallel_state.init_distributed_environment(
@@ -101,18 +108,20 @@ def init_single_process(export: str, dtype: str) -> None:
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     parallel_state.initialize_model_parallel(backend="gloo")
     assert torch.distributed.get_world_size() == 1
+    return server_args
 
 
-def load(export: str, dtype: str):
-    """(model, names given to load_weights) via SGLang's ModelConfig + get_model, on CPU."""
+def load(server_args, export: str):
+    """(model, names given to load_weights, model config) via SGLang's ModelConfig + get_model, on CPU."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader import get_model
     from sglang.srt.model_loader.utils import get_model_architecture
 
-    model_config = ModelConfig(export, is_draft_model=True, dtype=dtype, speculative_algorithm="EAGLE3")
-    cls, arch = get_model_architecture(model_config)
+    # as the scheduler builds the draft's config from --speculative-draft-model-path
+    model_config = ModelConfig.from_server_args(server_args, model_path=export, is_draft_model=True)
+    cls, _ = get_model_architecture(model_config)
     given: list[str] = []
     original = cls.load_weights
 
@@ -127,7 +136,9 @@ def load(export: str, dtype: str):
     cls.load_weights = recording_load_weights
     try:
         model = get_model(
-            model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu")
+            model_config=model_config,
+            load_config=LoadConfig(load_format=server_args.load_format, tp_rank=0),
+            device_config=DeviceConfig("cpu"),
         )
     finally:
         cls.load_weights = original
@@ -169,9 +180,13 @@ def module_facts(model) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--export", required=True, help="SGLang-format export directory (config.json + safetensors)")
+    ap.add_argument(
+        "--export", required=True, help="SGLang-format export directory (config.json + safetensors)"
+    )
     ap.add_argument("--out", required=True, help="safetensors file for the loaded model's tensors")
-    ap.add_argument("--dtype", default="auto", help="SGLang's --dtype (auto: float32 configs load as float16)")
+    ap.add_argument(
+        "--dtype", default="auto", help="SGLang's --dtype (auto: float32 configs load as float16)"
+    )
     args = ap.parse_args(argv)
 
     define_torchvision_ops()
@@ -180,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rope_without_kernel()
-    init_single_process(args.export, args.dtype)
-    model, given, model_config = load(args.export, args.dtype)
+    server_args = init_single_process(args.export, args.dtype)
+    model, given, model_config = load(server_args, args.export)
 
     tensors = {}
     params = [n for n, _ in model.named_parameters()]
