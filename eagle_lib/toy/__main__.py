@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from eagle_lib.toy import mini_kimi, world
+from eagle_lib.toy import mini_kimi, uris, world
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(mod.summary(json.loads((root / "build_log.json").read_text())))
         return 0
     try:
-        print(world.resolve(args.uri))
+        print(uris.resolve(args.uri))
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

