@@ -79,15 +79,7 @@ RECIPE: dict = {
         "rope_theta": 50000.0,
         "rms_norm_eps": 1e-5,
     },
-    "train": {
-        "steps": 240,
-        "batch_size": 4,
-        "block_size": 512,
-        "lr": 4e-3,
-        "warmup_steps": 20,
-        "weight_decay": 0.01,
-        "threads": 1,
-    },  # fmt: skip
+    "train": world.RECIPE["train"] | {"steps": 240},  # the toy target's training, fewer steps
     "eval": {
         "prompts_per_domain": {"tool": 16, "chat": 16, "reasoning": 8, "code": 8},
         "batch_size": 8,
@@ -284,31 +276,14 @@ def text_config(shape: dict, vocab_size: int):
     )
 
 
-def train_compact(model, blocks, cmp: Compact, cfg: dict, seed: int, log: Callable) -> dict:
-    """AdamW on (ids, labels) blocks in compact ids, loss on the junk-adjusted logits."""
-    ids, labels = blocks
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
-                            betas=(0.9, 0.95))  # fmt: skip
-    model.train()
-    losses, t0 = [], time.time()
-    for step in range(cfg["steps"]):
-        for group in opt.param_groups:
-            group["lr"] = target._lr(step, cfg["steps"], cfg["lr"], cfg["warmup_steps"])
-        pick = torch.randint(len(ids), (cfg["batch_size"],), generator=gen)
-        logits = cmp.adjusted(model(input_ids=ids[pick]).logits)  # (B, T, Vc)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[pick][:, 1:].flatten(), ignore_index=-100)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.get("grad_clip", 1.0))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if step % 25 == 0 or step == cfg["steps"] - 1:
-            log(f"  step {step:4d}  loss {loss.item():.3f}  grad norm {norm:.2f}  {time.time() - t0:6.1f}s")
-    model.eval()
-    tail = losses[-10:] or [float("nan")]
-    return {"train_seconds": round(time.time() - t0, 1), "final_loss": round(sum(tail) / len(tail), 4),
-            "first_loss": round(losses[0], 4) if losses else None}  # fmt: skip
+def compact_loss(cmp: Compact) -> Callable:
+    """The next-token loss on the junk-adjusted compact logits (for `target.train`)."""
+
+    def loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = cmp.adjusted(model(input_ids=ids).logits)  # (B, T, Vc)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+    return loss
 
 
 @torch.no_grad()
@@ -465,7 +440,8 @@ def build_into(out: Path, recipe: dict, log: Callable) -> dict:
         ids, labels = target.pack(tok, cut, tr["block_size"])
         blog["timings"]["pack_s"] = round(time.time() - t0 - blog["timings"]["tokenizer_s"], 1)
         log(f"training mini-Kimi target: {ids.numel()} tokens in {len(ids)} blocks, {tr['steps']} steps")
-        blog |= train_compact(model, (cmp.to_compact(ids), cmp.to_compact(labels)), cmp, tr, seed, log)
+        blocks = (cmp.to_compact(ids), cmp.to_compact(labels))
+        blog |= target.train(model, blocks, tr, seed, log, loss_fn=compact_loss(cmp))
         full = expand(model, cmp, recipe["text_config"])
         blog["expansion_max_abs_logprob_diff"] = check_expansion(model, full, cmp, ids[:1, :128])
         if blog["expansion_max_abs_logprob_diff"] > 1e-3:

@@ -96,9 +96,15 @@ def _lr(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def train(
-    model, blocks: tuple[torch.Tensor, torch.Tensor], cfg: dict, seed: int, log: Callable = print
+    model,
+    blocks: tuple[torch.Tensor, torch.Tensor],
+    cfg: dict,
+    seed: int,
+    log: Callable = print,
+    loss_fn: Callable | None = None,
 ) -> dict:
-    """Train ``cfg['steps']`` AdamW steps on random batches of ``blocks`` = (ids, labels), each (n, T).
+    """Train ``cfg['steps']`` AdamW steps on random batches of ``blocks`` = (ids, labels), each (n, T); the loss is
+    the model's own (``labels=``) unless ``loss_fn(model, ids, labels)`` is given (the mini-Kimi compact head).
 
     Returns the training time and loss statistics.
     """
@@ -113,7 +119,10 @@ def train(
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg["steps"], cfg["lr"], cfg["warmup_steps"])
         pick = torch.randint(len(ids), (cfg["batch_size"],), generator=gen)
-        loss = model(input_ids=ids[pick], labels=labels[pick]).loss  # ids[pick]: (B, T)
+        if loss_fn is None:
+            loss = model(input_ids=ids[pick], labels=labels[pick]).loss  # ids[pick]: (B, T)
+        else:
+            loss = loss_fn(model, ids[pick], labels[pick])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
