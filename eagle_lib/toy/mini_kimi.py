@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_lib.toy import datasets, target, world
+from eagle_lib.toy import datasets, kimi_data, target, world
 from eagle_lib.toy.tokenizer import KIMI_LIKE_TEMPLATE, N_SPECIAL_SLOTS, SPECIAL_OFFSETS
 
 MINI_KIMI_VERSION = 1
@@ -173,61 +173,6 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=True)
-
-
-# ---------------------------------------------------------------- data
-
-# hub id -> (toy dataset, {config: {split: file}} inside the repo folder), as each repo is laid out on the hub
-HUB_LAYOUT: dict[str, tuple[str, dict[str, dict[str, str]]]] = {
-    "glaiveai/glaive-function-calling-v2": ("glaive", {"default": {"train": "glaive-function-calling-v2.json"}}),
-    "open-r1/Mixture-of-Thoughts": ("mot", {"all": {"train": "all/train-00000-of-00001.jsonl"}}),
-    "open-thoughts/OpenThoughts-114k": ("openthoughts_114k", {"default": {"train": "data/train-00000-of-00001.jsonl"}}),
-    "open-thoughts/OpenThoughts3-1.2M": ("openthoughts3", {"default": {"train": "data/train-00000-of-00001.parquet"}}),
-    "nebius/SWE-agent-trajectories": ("swe_agent", {"default": {"train": "data/train-00000-of-00001.jsonl"}}),
-    "nvidia/OpenCodeInstruct": ("opencodeinstruct", {"default": {"train": "data/train-00000-of-00001.parquet"}}),
-    "Aeala/ShareGPT_Vicuna_unfiltered": ("sharegpt", {"default": {"train": "ShareGPT_V4.3_unfiltered_cleaned_split.json"}}),
-    "HuggingFaceH4/ultrachat_200k": ("ultrachat", {"default": {"train_sft": "data/train_sft-00000-of-00001.parquet",
-                                                               "test_sft": "data/test_sft-00000-of-00001.parquet"}}),
-}  # fmt: skip
-
-
-def write_hub_repos(root: Path, valid: dict[str, list[dict]]) -> dict[str, int]:
-    """One folder per hub id under ``root``, holding the toy dataset's well-formed rows in that repo's layout
-    (configs and splits in a README card, the files where the repo has them); returns rows per repo."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    counts = {}
-    for hub_id, (name, configs) in HUB_LAYOUT.items():
-        repo, rows = root / hub_id, valid[name]
-        card = ["---", "configs:"]
-        for c, (config, splits) in enumerate(configs.items()):
-            card += [f"- config_name: {config}"] + (["  default: true"] if c == 0 else []) + ["  data_files:"]
-            for k, (split, rel) in enumerate(splits.items()):
-                part = rows if len(splits) == 1 else rows[k :: len(splits)]
-                f = repo / rel
-                f.parent.mkdir(parents=True, exist_ok=True)
-                if rel.endswith(".parquet"):
-                    pq.write_table(pa.Table.from_pylist(part), f)
-                elif rel.endswith(".jsonl"):
-                    f.write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
-                else:  # one JSON array, as glaive's and ShareGPT's files are
-                    f.write_text(json.dumps(part), encoding="utf-8")
-                card += [f"  - split: {split}", f"    path: {rel}"]
-        (repo / "README.md").write_text(
-            "\n".join(card + ["---", f"# {hub_id} (mini-Kimi world: toy rows)", ""])
-        )
-        counts[hub_id] = len(rows)
-    return counts
-
-
-def write_native_swe(path: Path, seed: int, n: int) -> int:
-    """Kimi's own SWE-agent sessions as OpenAI-style records (the A set the Kimi params read as native_swe)."""
-    convs = datasets.native_conversations(seed, {"swe": n}, "native_swe")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    recs = [{"id": f"native_swe-{i}", "messages": c["messages"]} for i, c in enumerate(convs)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
-    return len(recs)
 
 
 # ---------------------------------------------------------------- target
@@ -409,8 +354,10 @@ def build_into(out: Path, recipe: dict, log: Callable) -> dict:
     scratch = out / ".data"
     _, valid = datasets.write_all(scratch, seed, toy["dataset_sizes"], toy["malformed_per_dataset"])
     shutil.rmtree(scratch)
-    blog["hub_repos"] = write_hub_repos(out / "hub", valid)
-    blog["native_swe"] = write_native_swe(out / "data" / "native_swe.jsonl", seed, recipe["native_swe"])
+    blog["hub_repos"] = kimi_data.write_hub_repos(out / "hub", valid)
+    blog["native_swe"] = kimi_data.write_native_swe(
+        out / "data" / "native_swe.jsonl", seed, recipe["native_swe"]
+    )
     train_convs = datasets.native_conversations(seed, recipe["train_mix"], "train")
     corpus = [s for recs in valid.values() for r in recs for s in datasets.string_leaves(r)]
     corpus += [s for c in train_convs for s in datasets.string_leaves(c)]

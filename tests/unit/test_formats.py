@@ -410,11 +410,11 @@ def test_two_local_hub_folders_of_one_name_never_share_a_cache(tmp_path, dataset
     """`datasets` caches a local folder with a README card under its name and the card's (relative) data files: a
     second folder of that name (or the same folder rebuilt with other rows) read the first one's cached rows back
     (found running the mini-Kimi world)."""
-    from eagle_lib.toy import mini_kimi
+    from eagle_lib.toy import kimi_data
 
-    names = [name for name, _ in mini_kimi.HUB_LAYOUT.values()]
+    names = [name for name, _ in kimi_data.HUB_LAYOUT.values()]
     for sub, n in (("a", 4), ("b", 6)):
-        mini_kimi.write_hub_repos(tmp_path / sub, {name: [{"k": f"{sub}{i}"} for i in range(n)] for name in names})
+        kimi_data.write_hub_repos(tmp_path / sub, {name: [{"k": f"{sub}{i}"} for i in range(n)] for name in names})
     for sub, n in (("a", 4), ("b", 6)):
         src = formats.Source(name="u", path=str(tmp_path / sub / "HuggingFaceH4/ultrachat_200k"),
                              adapter="ultrachat", split="train_sft")  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle_lib.data import chat
-from eagle_lib.toy import datasets, mini_kimi, target
+from eagle_lib.toy import datasets, kimi_data, mini_kimi, target
 from eagle_lib.toy.kimi_remote import tokenization_kimi
 from tests.support import templates as T
 
@@ -117,10 +117,10 @@ def test_hub_layout_folders_load_with_the_kimi_params_configs_and_splits(tmp_pat
     monkeypatch.setattr(hf.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
     valid = {
-        name: [{"k": f"{name}-{i}", "n": i} for i in range(6)] for name, _ in mini_kimi.HUB_LAYOUT.values()
+        name: [{"k": f"{name}-{i}", "n": i} for i in range(6)] for name, _ in kimi_data.HUB_LAYOUT.values()
     }
-    counts = mini_kimi.write_hub_repos(tmp_path, valid)
-    assert counts == {hub_id: 6 for hub_id in mini_kimi.HUB_LAYOUT}
+    counts = kimi_data.write_hub_repos(tmp_path, valid)
+    assert counts == {hub_id: 6 for hub_id in kimi_data.HUB_LAYOUT}
     mot = hf.load_dataset(
         str(tmp_path / "open-r1/Mixture-of-Thoughts"), name="all", split="train", streaming=True
     )
