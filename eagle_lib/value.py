@@ -126,6 +126,9 @@ def run(cfg: params.StageConfig) -> Result:
     st.save_sums()
     mt, mt_tally = mturn.study(st, p) if p.multiturn else (pd.DataFrame(), {"skipped": "multiturn: false"})
     st.save_sums()
+    src = st.trainer.source
+    if hasattr(src, "close"):  # vllm: the producers stop; their accounting stays in the summary
+        src.close()
     res = tables.result(st, curve_df, c, lodo, regen, p)
     res.multiturn = mt
     res.headline |= mturn.headline(mt, mt_tally)
@@ -142,6 +145,7 @@ def run(cfg: params.StageConfig) -> Result:
         "arms": list(st.arms.values()),
         "original_responses": regen_tally,
         "multiturn": mt_tally,
+        "hidden": src.summary() if hasattr(src, "summary") else None,  # vllm: mode, bound, producers' peak
         "headline": res.headline,
     }
     meta = store.write_meta(st.out, meta, started, tally=True)

@@ -72,10 +72,11 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
 
 
 def producer_config(
-    p: dict, shared, text, ids: list[int], max_len: int, cpu: bool, multimodal: bool = False
+    p: dict, shared, text, ids: list[int], max_len: int, cpu: bool, multimodal: bool = False, world: int = 1
 ) -> dict:
     """producer_config.json from 05's params (as a dict), the shared params and the target's text config;
-    `multimodal`: the target is a wrapper around its language model (Kimi-K2.5), served language-model-only."""
+    `multimodal`: the target is a wrapper around its language model (Kimi-K2.5), served language-model-only.
+    ``max_buffer_gb`` bounds the whole run: each of `world` trainer ranks' buffers gets its share."""
     return {
         "target": models.resolve(shared.target),
         "layer_ids": ids,
@@ -89,7 +90,7 @@ def producer_config(
         "revision": models.hub_kwargs(shared)["revision"],  # the pinned commit (remote code runs in vLLM too)
         "connector": "cpu" if cpu else "vllm",
         "units_per_call": 8,
-        "max_buffer_bytes": int(p["max_buffer_gb"] * 2**30),
+        "max_buffer_bytes": int(p["max_buffer_gb"] * 2**30) // world,
         "exit_with_parent": p["start_producers"],
         "language_model_only": multimodal,  # no vision tower: text prefill needs none (and vLLM loads none)
         # vLLM's CPU rotary custom op mis-rotates MLA queries in eager mode (hidden states ~1% off): native rope
@@ -356,9 +357,8 @@ def make_source(cfg, device, hf_config, fingerprint: str):
     start_step = int(done[-1].name.removeprefix("step_")) if done else 0
     units, tokens, start = plan(cfg, start_step)
     max_len = max(len(v) for v in tokens.values()) + 8
-    producer_cfg = producer_config(
-        p.model_dump(), cfg.shared, text, ids, max_len, device.type == "cpu", text is not hf_config
-    )
+    producer_cfg = producer_config(p.model_dump(), cfg.shared, text, ids, max_len, device.type == "cpu",
+                                   text is not hf_config, distributed.world()[1])  # fmt: skip
     target = producer_cfg["target"]
     key = store.stable_hash({k: v for k, v in producer_cfg.items() if k in ("target", "layer_ids", "storage_dtype",
                              "model_dtype")} | {"units": units})  # fmt: skip

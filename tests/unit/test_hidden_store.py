@@ -159,6 +159,41 @@ def test_07_kept_source_produces_only_what_is_not_kept(target, tmp_path, monkeyp
     src.close()
 
 
+def test_07_streams_within_the_bound_when_keeping_would_pass_it(target, tmp_path, monkeypatch):
+    """Kimi's case at small scale: 07's training sequences take more than max_buffer_gb, so nothing is kept; each
+    planned micro-batch is made, read once and deleted (the producer's own peak within the bound), a resumed arm
+    skips what it does not ask for, an unplanned call is made on demand, and every call equals transformers'."""
+    from eagle_lib.drafter import recipe as rcp
+
+    path, model, own = target
+    started = hf_producer.patch(monkeypatch, own)
+    run = eagle_tiny.make_run(path.parent)
+    train = batches.load_sequences(run, params.SharedParams().heldout_percent, 512)[0]
+    per_token = len(engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)) * 64 * 4  # float32 storage
+    total = sum(len(s.input_ids) for s in train) * per_token
+    bound_gb = total / 4 / 2**30  # a quarter of what keeping them would take
+    recipe = Params(hidden_source="vllm", hidden_dump_dir=str(tmp_path / "hs"), rows_per_batch=1, pack_len=64,
+                    max_buffer_gb=bound_gb, hidden_dtype="float32").model_dump()  # fmt: skip
+    src = kept_source.KeptSource(recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu"))
+    src.use_root(run)
+    assert src.mode == "stream" and src.stats["produced_tokens"] == 0 and src.stats["producer_sessions"] == 0
+
+    stream = batches.BatchStream(train[:12], 64, 1, 0)
+    mbs = [stream.micro_batch(m) for s in range(3) for m in rcp.micro_batches(s, 0, 1, 2)]
+    src.expect(mbs)
+    check_online(src, model, mbs[:2])
+    check_online(src, model, mbs[4:])  # a resumed arm: units 2 and 3 are skipped, not waited for
+    held = make_batch(train[20:], [[0, 1]], PAD_TO)  # nobody planned it (teacher-forced held-out tau)
+    check_online(src, model, [held])
+    stats = src.producer_stats()
+    assert src.stats["producer_sessions"] == 1 and len(started) == 1 and not started[0].errors
+    assert 0 < stats[0]["peak_buffer_bytes"] <= src.bound < total
+    assert src.stats["streamed_tokens"] == sum(int((b.doc_ids >= 0).sum()) for b in mbs[:2] + mbs[4:] + [held])
+    assert not list(src.kept.dir.glob("files/*"))  # nothing kept: the store holds nothing past the bound
+    src.close()
+    assert src.summary()["peak_buffer_bytes"] == stats[0]["peak_buffer_bytes"] and started[0].poll() == 0
+
+
 def test_float8_storage_keeps_each_rows_range_within_e4m3_rounding(tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, 4, 64, generator=g) * torch.logspace(-4, 4, 40)[:, None, None]  # rows 1e-4 .. 1e4
