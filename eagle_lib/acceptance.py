@@ -234,17 +234,16 @@ def decode_offline(
 
 
 # --- online -------------------------------------------------------------------------------------------
-def _online(
-    p: Params, shared, exports: dict[str, Path], prompts: dict[str, list[Prompt]], out: Path, max_pos: int
-):
+def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list[Prompt]], out: Path, max_pos: int,
+            eos: list[int]):  # fmt: skip
     """({temperature: raw online results per dataset}, live checks): a given server, or a local vLLM CPU server
-    on the export."""
+    on the export; requests stop at `eos`, the ids offline decoding stops at."""
     from eagle_lib import models
     from eagle_lib.serving import live, online
 
     url = p.online_url.rstrip("/")
     if p.online_engine == "sglang" or url:
-        raw = online.measure(p, shared.seed, url, p.online_model, prompts)
+        raw = online.measure(p, shared.seed, url, p.online_model, prompts, eos)
         return raw, live.live_checks(p, url, exports[p.online_format], raw)
     from eagle_lib.engines.vllm_server import start_vllm
 
@@ -258,7 +257,7 @@ def _online(
         log_dir=out / "vllm",
         env={"VLLM_SERVER_DEV_MODE": "1"},  # exposes /server_info: the live preflight reads its spec config
     ) as srv:
-        raw = online.measure(p, shared.seed, srv.base_url, srv.model, prompts)
+        raw = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos)
         return raw, live.live_checks(p, srv.base_url, exports[p.online_format], raw)
 
 
@@ -290,17 +289,29 @@ def _models(cfg: params.StageConfig, drafter_dir: Path):
     return target, drafter, preflight.text_config_dict(target.config)
 
 
+def launch_kwargs(p: Params, shared, tcfg: dict) -> dict:
+    """The serving settings preflight's launch commands take from 06's params and the target's config (the
+    commands a user runs before 06 with ``offline: false``: `python -m eagle_lib.serving.preflight --params`)."""
+    from eagle_lib import models
+
+    return {
+        "num_steps": p.num_steps,
+        "topk": p.topk,
+        "num_draft_tokens": p.num_draft_tokens,
+        "tp": p.serve_tp,
+        "api_key_env": p.online_api_key_env,
+        "multimodal": bool(tcfg.get("multimodal_wrapper")),
+        "cpu_mla": shared.device == "cpu" and bool(tcfg.get("kv_lora_rank")),
+        "revision": models.hub_kwargs(shared).get("revision") or "",
+    }
+
+
 def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict) -> list[dict]:
     """Preflight every export against the target and the intended commands."""
     from eagle_lib.serving import preflight
 
     p, sh = cfg.stage, cfg.shared
-    launch = {
-        "num_steps": p.num_steps,
-        "topk": p.topk,
-        "num_draft_tokens": p.num_draft_tokens,
-        "tp": p.serve_tp,
-    }
+    launch = launch_kwargs(p, sh, tcfg)
     trained = _trained_aux(Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final"))
     args = (sh.target, p.sglang_cmd, None, sh.trust_remote_code, tcfg, trained)
     return [preflight.preflight(d, *args, **launch).to_dict() for d in exports.values()]
@@ -338,7 +349,7 @@ def run(cfg: params.StageConfig) -> Eval:
     pf = preflight_all(exports, cfg, tcfg)
     store.write_json(out / "preflight.json", pf)
     gens: list[dict] = []
-    eos = models.stop_ids(tok, target)
+    eos = models.stop_ids(tok, target, shared)
     if multi and p.offline:  # later turns need the target's own answers: decoded here
         later, set_tally["later_turns"] = later_turn_prompts(multi, tok, target, p, eos)
         prompts |= later
@@ -358,7 +369,7 @@ def run(cfg: params.StageConfig) -> Eval:
     on, live = None, []
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
-        raw, live = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)))
+        raw, live = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos)
         on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
         on.to_csv(out / "online.csv", index=False)
         store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw})
@@ -370,6 +381,6 @@ def run(cfg: params.StageConfig) -> Eval:
     }
     h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on)
     meta = {**tally, "eval_sets": set_tally, "params": p.model_dump(), "drafter_dir": str(drafter_dir),
-            "headline": h, "exports": {k: str(v) for k, v in exports.items()}}  # fmt: skip
+            "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()}}  # fmt: skip
     store.write_meta(out, meta, started, tally=True)
     return Eval(tau, pos, hist, ctx, pf, on, live, h, h["answer"], p.reference_text, out)

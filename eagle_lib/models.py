@@ -130,11 +130,20 @@ def aux_layers_from(ids: list[int], convention: Convention) -> list[int]:
     return [int(i) - shift for i in ids]
 
 
-def stop_ids(tokenizer, target) -> list[int]:
-    """The stop ids 05's measurement, 06 and 07 decode with: the tokenizer's EOS plus the target's
-    generation_config EOS (int or list). (03 takes its own from its params: `infer.resolve_stop_ids`.)"""
+def stop_ids(tokenizer, target, shared=None) -> list[int]:
+    """The stop ids 05's measurement, 06 and 07 decode with (and 06 sends to a server): the tokenizer's EOS
+    plus the target's generation_config EOS (int or list), read from the checkpoint (`shared`) when no target
+    is loaded (06 online). (03 takes its own from its params: `infer.resolve_stop_ids`.)"""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    gen = getattr(target, "generation_config", None)
+    if target is None and shared is not None:
+        from transformers import GenerationConfig
+
+        try:
+            gen = GenerationConfig.from_pretrained(resolve(shared.target), **hub_kwargs(shared))
+        except OSError:  # a checkpoint without generation_config.json
+            gen = None
+    extra = getattr(gen, "eos_token_id", None)
     ids |= set(extra if isinstance(extra, list) else [] if extra is None else [extra])
     return sorted(ids)
 

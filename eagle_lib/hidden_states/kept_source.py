@@ -87,7 +87,11 @@ class KeptSource:
         kept = self._store()
         missing = {k: len(s.input_ids) for s in seqs if (k := hidden.seq_key(s.input_ids)) not in kept}
         n_tok = sum(missing.values())
-        return 0 if not missing else hb.shard_bytes(n_tok, len(missing), len(self.ids), self.h, self.pcfg["storage_dtype"])
+        return (
+            0
+            if not missing
+            else hb.shard_bytes(n_tok, len(missing), len(self.ids), self.h, self.pcfg["storage_dtype"])
+        )
 
     def _store(self) -> HiddenStore:
         if self.kept is None:
@@ -99,7 +103,9 @@ class KeptSource:
         nothing (`expect` plans each arm's batches)."""
         kept = self._store()
         if self.mode == "keep" and self.added_bytes + self.missing_bytes(seqs) > self.bound:
-            self.mode = "stream"  # keeping these too would pass the bound: from now on, stream what is not kept
+            self.mode = (
+                "stream"  # keeping these too would pass the bound: from now on, stream what is not kept
+            )
         if self.mode == "stream":
             return
         missing = {k: list(s.input_ids) for s in seqs if (k := hidden.seq_key(s.input_ids)) not in kept}
@@ -261,4 +267,6 @@ def _keys(batch) -> list[str]:
 
 
 def _ids(batch) -> dict[str, list[int]]:
-    return {k: batch.input_ids[r, s : s + n].tolist() for r, segs in enumerate(batch.segments) for k, s, n in segs}
+    return {
+        k: batch.input_ids[r, s : s + n].tolist() for r, segs in enumerate(batch.segments) for k, s, n in segs
+    }

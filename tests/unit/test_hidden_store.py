@@ -174,7 +174,9 @@ def test_07_streams_within_the_bound_when_keeping_would_pass_it(target, tmp_path
     bound_gb = total / 4 / 2**30  # a quarter of what keeping them would take
     recipe = Params(hidden_source="vllm", hidden_dump_dir=str(tmp_path / "hs"), rows_per_batch=1, pack_len=64,
                     max_buffer_gb=bound_gb, hidden_dtype="float32").model_dump()  # fmt: skip
-    src = kept_source.KeptSource(recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu"))
+    src = kept_source.KeptSource(
+        recipe, params.SharedParams(target=str(path)), model.config, torch.device("cpu")
+    )
     src.use_root(run)
     assert src.mode == "stream" and src.stats["produced_tokens"] == 0 and src.stats["producer_sessions"] == 0
 
@@ -188,7 +190,9 @@ def test_07_streams_within_the_bound_when_keeping_would_pass_it(target, tmp_path
     stats = src.producer_stats()
     assert src.stats["producer_sessions"] == 1 and len(started) == 1 and not started[0].errors
     assert 0 < stats[0]["peak_buffer_bytes"] <= src.bound < total
-    assert src.stats["streamed_tokens"] == sum(int((b.doc_ids >= 0).sum()) for b in mbs[:2] + mbs[4:] + [held])
+    assert src.stats["streamed_tokens"] == sum(
+        int((b.doc_ids >= 0).sum()) for b in mbs[:2] + mbs[4:] + [held]
+    )
     assert not list(src.kept.dir.glob("files/*"))  # nothing kept: the store holds nothing past the bound
     src.close()
     assert src.summary()["peak_buffer_bytes"] == stats[0]["peak_buffer_bytes"] and started[0].poll() == 0

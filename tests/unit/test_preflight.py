@@ -1,6 +1,7 @@
 """Preflight: a good export passes; each known serving mistake fails with a message naming it."""
 
 import json
+import shlex
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -58,6 +59,38 @@ def test_good_export_passes_and_prints_commands(exports, fmt):
             "--model-path org/target",
         ]:
             assert flag in cmd
+
+
+def test_commands_for_keyed_multimodal_mla_servers_run_in_a_shell(exports):
+    """Kimi's servers demand --api-key, vLLM serves the K2.5 wrapper language-model-only, the hub commit is
+    pinned; on CPU an MLA target needs VLLM_MLA_DISABLE=1, native rope and the vLLM venv's module. A real shell
+    expands the key from the variable (the key never appears in the command)."""
+    import subprocess
+
+    cmds = preflight.launch_commands("/t", "/d", "sglang", api_key_env="EAGLE_TEST_KEY", multimodal=True,
+                                     cpu_mla=True, revision="abc123")  # fmt: skip
+    env = {"EAGLE_TEST_KEY": "s3cret", "PATH": "/usr/bin:/bin"}
+    for name, cmd in cmds.items():
+        assert "s3cret" not in cmd
+        out = subprocess.run(["bash", "-c", f"printf '%s\\n' {cmd.removeprefix('VLLM_MLA_DISABLE=1 ')}"],
+                             env=env, capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+        assert out[out.index("--api-key") + 1] == "s3cret" and out[out.index("--revision") + 1] == "abc123", (
+            name
+        )
+    vllm = shlex.split(cmds["vllm"])
+    assert vllm[:4] == [
+        "VLLM_MLA_DISABLE=1",
+        ".venv-vllm/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
+    assert "--language-model-only" in vllm and "--trust-remote-code" not in vllm
+    assert json.loads(vllm[vllm.index("--compilation-config") + 1])["custom_ops"] == [
+        "all",
+        "-rotary_embedding",
+    ]
+    gpu = shlex.split(preflight.launch_commands("/t", "/d", "speculators", multimodal=True)["vllm"])
+    assert gpu[:3] == ["vllm", "serve", "/t"] and "--compilation-config" not in gpu and "--api-key" not in gpu
 
 
 def test_eagle_instead_of_eagle3_fails(exports):

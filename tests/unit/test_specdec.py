@@ -614,6 +614,17 @@ def test_sampled_requests_carry_the_target_sampling(server):
     assert all(b["temperature"] == 0.0 and "top_p" not in b for b in StandIn.bodies)
 
 
+def test_online_requests_stop_where_offline_decoding_stops(server):
+    """06 sends its offline stop ids (Kimi: <|im_end|> as well as [EOS]) as stop_token_ids; without them a
+    server stops at its own defaults and the outputs cannot be compared."""
+    StandIn.bodies.clear()
+    online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, stop_ids=[7, 9])
+    online.online_sglang(server, ONLINE_PROMPTS, max_new_tokens=8, stop_ids=[7, 9])
+    vl, sg = StandIn.bodies[:4], StandIn.bodies[4:]
+    assert len(sg) == 4 and all(b["stop_token_ids"] == [7, 9] for b in vl)
+    assert all(b["sampling_params"]["stop_token_ids"] == [7, 9] for b in sg)
+
+
 def test_runner_features_are_layer_outputs_before_the_final_norm(target):
     """The decoder reads the aux layers as 05 trains on them. For layers < L-1 that is HF hidden_states[a + 1];
     for the last layer (L-1) it is the layer's raw output, whose final norm is HF hidden_states[L]: reading
