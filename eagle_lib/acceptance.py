@@ -289,29 +289,12 @@ def _models(cfg: params.StageConfig, drafter_dir: Path):
     return target, drafter, preflight.text_config_dict(target.config)
 
 
-def launch_kwargs(p: Params, shared, tcfg: dict) -> dict:
-    """The serving settings preflight's launch commands take from 06's params and the target's config (the
-    commands a user runs before 06 with ``offline: false``: `python -m eagle_lib.serving.preflight --params`)."""
-    from eagle_lib import models
-
-    return {
-        "num_steps": p.num_steps,
-        "topk": p.topk,
-        "num_draft_tokens": p.num_draft_tokens,
-        "tp": p.serve_tp,
-        "api_key_env": p.online_api_key_env,
-        "multimodal": bool(tcfg.get("multimodal_wrapper")),
-        "cpu_mla": shared.device == "cpu" and bool(tcfg.get("kv_lora_rank")),
-        "revision": models.hub_kwargs(shared).get("revision") or "",
-    }
-
-
 def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict) -> list[dict]:
     """Preflight every export against the target and the intended commands."""
     from eagle_lib.serving import preflight
 
     p, sh = cfg.stage, cfg.shared
-    launch = launch_kwargs(p, sh, tcfg)
+    launch = preflight.launch_kwargs(p, sh, tcfg)
     trained = _trained_aux(Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final"))
     args = (sh.target, p.sglang_cmd, None, sh.trust_remote_code, tcfg, trained)
     return [preflight.preflight(d, *args, **launch).to_dict() for d in exports.values()]
@@ -381,6 +364,6 @@ def run(cfg: params.StageConfig) -> Eval:
     }
     h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on)
     meta = {**tally, "eval_sets": set_tally, "params": p.model_dump(), "drafter_dir": str(drafter_dir),
-            "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()}}  # fmt: skip
+            "shared": shared.model_dump(mode="json"), "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()}}  # fmt: skip
     store.write_meta(out, meta, started, tally=True)
     return Eval(tau, pos, hist, ctx, pf, on, live, h, h["answer"], p.reference_text, out)

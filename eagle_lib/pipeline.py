@@ -337,6 +337,31 @@ def run_pipeline(
     return runner.execute(names)
 
 
+def budget_text(run: RunParams, target_config: str = "") -> str:
+    """The run's memory and time budget (`eagle_lib.drafter.budget`), or why it cannot be computed here."""
+    from eagle_lib import models
+    from eagle_lib.drafter import budget
+
+    target = run.shared.target
+    try:
+        if target_config:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(target_config, trust_remote_code=run.shared.trust_remote_code)
+        elif target.startswith("toy://"):
+            from eagle_lib.toy import uris
+
+            if not uris.built(target):
+                return f"budget: {target} is not built yet (python -m eagle_lib.toy build): no config to size"
+            cfg = models.load_config(models.resolve(target), **models.hub_kwargs(run.shared))
+        else:
+            cfg = models.load_config(target, **models.hub_kwargs(run.shared))
+    except (OSError, ValueError) as e:
+        return f"budget: the target's config is not readable here ({type(e).__name__}: {str(e)[:200]}); pass --target-config"
+    b = budget.estimate(run, cfg)
+    return "budget (eagle_lib.drafter.budget; rates assumed unless measured):\n" + b.text()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eagle_lib.pipeline", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -347,12 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="re-run stages even if complete and unchanged")
     v = sub.add_parser("validate", help="validate params files and exit")
     v.add_argument("params", nargs="+")
+    v.add_argument(
+        "--target-config", default="", help="the target's config.json for the budget (else loaded)"
+    )
     args = ap.parse_args(argv)
     try:
         if args.cmd == "validate":
             for p in args.params:
-                problem = unpinned_remote_code(load_params(p).shared)
+                run = load_params(p)
+                problem = unpinned_remote_code(run.shared)
                 print(f"{p}: ok" + (f" (warning: a run would refuse: {problem})" if problem else ""))
+                print(budget_text(run, args.target_config))
             return 0
         manifest = run_pipeline(args.params, args.stages, args.run_name, args.force)
     except ParamsError as e:

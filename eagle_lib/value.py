@@ -138,6 +138,7 @@ def run(cfg: params.StageConfig) -> Result:
     meta = {
         **st.prompt_tally,
         "params": p.model_dump(),
+        "shared": cfg.shared.model_dump(mode="json"),  # the target's revision (pinned hub code) among them
         "recipe": st.recipe,
         "train_sequences": st.seq_tally.kept,
         "train_tokens": st.total,

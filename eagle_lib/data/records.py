@@ -162,7 +162,9 @@ class DatasetOutput:
         """One row's outcome; a kept row's payload is a record or, for ``turns: each``, a list of them."""
         self.counts["read"] += 1
         recs = payload if isinstance(payload, list) else [payload]
-        if kind == "kept" and any(r["id"] in self.ids for r in recs):  # a source id seen before: keep the first
+        if kind == "kept" and any(
+            r["id"] in self.ids for r in recs
+        ):  # a source id seen before: keep the first
             kind, payload = "dropped", "duplicate_id"
         if kind == "kept":
             self.counts["kept"] += 1

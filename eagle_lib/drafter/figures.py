@@ -213,3 +213,14 @@ def headline(summary: dict) -> dict:
         "measured_elapsed_s": (summary.get("measured") or {}).get("elapsed_s"),
         "heldout_miss_share_target_p_below_0.5": hesitant_miss_share(summary),
     }
+
+
+def budget_table(cfg, summary: dict):
+    """Memory per rank, hidden-state bytes and 05's time at the seeds' scale (`eagle_lib.drafter.budget`)."""
+    import pandas as pd
+
+    from eagle_lib import models
+    from eagle_lib.drafter import budget
+
+    hf = models.load_config(cfg.shared.target, **models.hub_kwargs(cfg.shared))
+    return pd.DataFrame(budget.stage05_rows(hf, cfg.stage, summary), columns=["what", "estimate"])

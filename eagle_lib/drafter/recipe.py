@@ -54,7 +54,9 @@ class Params(params.Strict):
     # vllm (eagle_lib.hidden_states.engine_hidden): producers stream units into hidden_dump_dir or drafter/hidden_buffer
     tensor_parallel_size: int = 1  # vLLM tensor parallel size of each producer
     num_producers: int = 1  # vLLM producers (data parallel), each with its share of max_buffer_gb
-    max_buffer_gb: float = 2.0  # bound on unconsumed hidden states (+ in-flight writes): all ranks' buffers together
+    max_buffer_gb: float = (
+        2.0  # bound on unconsumed hidden states (+ in-flight writes): all ranks' buffers together
+    )
     keep_hidden_states: bool = (
         False  # keep consumed hidden states per sequence (later runs and 07 reuse them)
     )

@@ -126,7 +126,9 @@ class Trainer:
         stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, self.shared.seed)
         if hasattr(self.source, "expect"):  # vllm, stream mode: the arm's micro-batches in the order fit asks
             self.source.expect(
-                stream.micro_batch(m) for s in range(steps) for m in recipe.micro_batches(s, 0, 1, p.grad_accum)
+                stream.micro_batch(m)
+                for s in range(steps)
+                for m in recipe.micro_batches(s, 0, 1, p.grad_accum)
             )
         model = ttt.TTT(drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature)
         opts = optim.build(

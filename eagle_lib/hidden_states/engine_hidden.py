@@ -116,7 +116,9 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool) -> subprocess.Pop
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-COMMAND_FILE = "COMMAND"  # in a buffer waiting for producers started by hand: the lines to run, one per producer
+COMMAND_FILE = (
+    "COMMAND"  # in a buffer waiting for producers started by hand: the lines to run, one per producer
+)
 
 
 def external_producers(buf: Path, n: int, log=print) -> list[str]:
@@ -125,7 +127,10 @@ def external_producers(buf: Path, n: int, log=print) -> list[str]:
     cmds = [f".venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer {buf} --index {i} --count {n}"
             for i in range(n)]  # fmt: skip
     (buf / COMMAND_FILE).write_text("\n".join(cmds) + "\n")
-    log(f"waiting for {n} producer(s) started by hand on {buf} (start_producers: false); run:\n  " + "\n  ".join(cmds))
+    log(
+        f"waiting for {n} producer(s) started by hand on {buf} (start_producers: false); run:\n  "
+        + "\n  ".join(cmds)
+    )
     return cmds
 
 

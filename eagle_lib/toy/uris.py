@@ -18,3 +18,10 @@ def resolve(uri: str) -> str:
     if not (root / rel).exists():
         raise ValueError(f"unknown toy URI {uri!r}: the mini-Kimi world {root} has no {rel}")
     return str(root / rel)
+
+
+def built(uri: str) -> bool:
+    """Whether the world a toy:// URI lives in is built (resolving it would not start a build)."""
+    name = uri[len("toy://") :].strip("/")
+    kimi = name == "kimi" or name.startswith("kimi/")
+    return (mini_kimi.world_dir() if kimi else world.world_dir()).joinpath("build_log.json").is_file()

@@ -1,10 +1,13 @@
 """params/mini_kimi.yaml (= params/kimi_k25.yaml at small scale, see tests/unit/test_mini_kimi_params.py) run end
 to end on the mini-Kimi world with the real parts: the remote-code tiktoken tokenizer in 01/02's workers, hub-layout
 folders read through `datasets`, 03's SGLang engine against three local SGLang-API servers that demand the API
-key (stand-ins: vLLM does not speak SGLang's native /generate), 04 with Kimi's </think> id.
+key (stand-ins: vLLM does not speak SGLang's native /generate), 04 with Kimi's </think> id, 05 on vLLM producers
+started by hand (FSDP, 2 processes, bf16), 06 against a real vLLM server with the drafter and the API key, started
+with the command `python -m eagle_lib.serving.preflight <export> --params <file>` prints, and 07 (ttt) on the
+same producers' hidden states.
 
-The servers are SGLang stand-ins serving the mini-Kimi target through transformers (tests/support/sglang_standin);
-the run's params file is mini_kimi.yaml with only their URLs written in.
+The 03 servers are SGLang stand-ins serving the mini-Kimi target through transformers (tests/support/sglang_standin);
+the run's params file is mini_kimi.yaml with only the servers' URLs written in.
 """
 
 from __future__ import annotations
@@ -86,7 +89,56 @@ def mini_run(tmp_path_factory) -> Path:
         producers = stack.enter_context(Producers(buffers))
         manifest = run_pipeline(params, stages="01-05")
         assert producers.seen, "05 never asked for producers"
-    return Path(manifest["run_dir"])
+        run = Path(manifest["run_dir"])
+        cfg["stages"]["06_eval_acceptance"]["online_url"] = stack.enter_context(served(run, params, cfg))
+        params.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        run_pipeline(params, stages="06-07")
+    return run
+
+
+@contextlib.contextmanager
+def served(run: Path, params: Path, cfg: dict):
+    """The serving node of 06 (``offline: false``): the vLLM command preflight prints for these params, run by
+    a shell from the repository root with the key in the environment, on a free local port; yields its URL."""
+    import sys
+    import time
+
+    from eagle_lib.engines import client
+    from eagle_lib.engines.vllm_server import free_port
+
+    export = run / "drafter" / "export" / "speculators"
+    out = subprocess.run([sys.executable, "-m", "eagle_lib.serving.preflight", str(export), "--params", str(params),
+                          "--json"], cwd=REPO_ROOT, capture_output=True, text=True, check=False)  # fmt: skip
+    rep = json.loads(out.stdout)
+    assert rep["ok"], out.stdout
+    port = free_port()
+    cmd = rep["commands"]["vllm"] + f" --host 127.0.0.1 --port {port} --max-model-len 2048 --enforce-eager"
+    env = {**os.environ, KEY_ENV: KEY, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+    log = open(run / "vllm_06.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(["bash", "-c", cmd], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 900
+    try:
+        while True:
+            assert proc.poll() is None, (run / "vllm_06.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "vLLM did not start in 900 s"
+            try:
+                client.request(url + "/health", timeout=5.0)
+                break
+            except client.ServerError:
+                time.sleep(2)
+        with pytest.raises(client.ServerError, match="401"):  # the server demands the key
+            client.get_json(url + "/v1/models", timeout=10.0)
+        yield url
+    finally:
+        if proc.poll() is None:  # by PID: its process group
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 def meta(run: Path, rel: str) -> dict:
@@ -156,11 +208,52 @@ def test_05_trains_on_producers_started_by_hand_fsdp_bf16(mini_run):
         key=lambda r: r.name,
     )
     assert [r.name for r in ranks] == ["rank0", "rank1"]
-    for r in ranks:  # each rank's buffer was served by the command it wrote, within the bound
+    peaks = []
+    for r in ranks:  # each rank's buffer was served by the command it wrote, within its share of the bound
         stats = json.loads((r / "producer_0.json").read_text())
-        assert stats["state"] == "done" and 0 < stats["peak_buffer_bytes"] <= bound
+        assert stats["state"] == "done" and 0 < stats["peak_buffer_bytes"] <= bound // 2
+        assert json.loads((r / "producer_config.json").read_text())["max_buffer_bytes"] == bound // 2
+        peaks.append(stats["peak_buffer_bytes"])
         assert (r / engine_hidden.COMMAND_FILE).read_text().startswith(".venv-vllm/bin/python -m eagle_lib")
+    assert sum(peaks) <= bound  # max_buffer_gb bounds the run, not each rank
     for fmt in ("sglang", "speculators"):
         cfg = json.loads((mini_run / "drafter" / "export" / fmt / "config.json").read_text())
         assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
     assert (mini_run / "drafter" / "final" / "model.safetensors").is_file()
+
+
+def test_06_measures_the_live_vllm_server_with_the_key_and_kimis_stop_ids(mini_run):
+    m = meta(mini_run, "eval")
+    assert m["stop_ids"] == [163585, 163586]  # [EOS] and <|im_end|> (generation_config), as 03's [163586]
+    on = json.loads((mini_run / "eval" / "online.json").read_text())
+    assert on["engine"] == "vllm" and set(on["by_temperature"]) == {"0.0", "1.0"}
+    for temp, per_ds in on["by_temperature"].items():
+        assert per_ds, temp
+        for ds, r in per_ds.items():  # the server drafted and counted (its own /metrics)
+            assert r["drafts"] > 0 and 1.0 <= r["tau"] <= 4.0, (temp, ds, r)
+            assert all(ids and max(ids) < 163840 for ids in r["outputs"].values())
+    live = json.loads((mini_run / "eval" / "live_preflight.json").read_text())
+    assert live and all(c["ok"] for c in live if c["severity"] == "error"), live
+    pf = json.loads((mini_run / "eval" / "preflight.json").read_text())
+    cmd = next(r["commands"]["vllm"] for r in pf if r["format"] == "speculators")
+    assert '--api-key "$SGLANG_API_KEY"' in cmd and "--language-model-only" in cmd and "--trust-remote-code" in cmd
+
+
+def test_07_retrains_on_the_producers_within_the_bound(mini_run):
+    m = meta(mini_run, "value")
+    assert m["params"]["tau_source"] == "ttt" and m["arms"], m.get("arms")
+    h = m["hidden"]
+    assert h["producer_sessions"] == 1 and h["peak_buffer_bytes"] <= h["max_buffer_bytes"]
+    assert h["mode"] == "keep" and h["produced_tokens"] > 0  # the mini run fits its bound: kept once, reused
+    steps05 = meta(mini_run, "drafter")["steps"] if "steps" in meta(mini_run, "drafter") else m["steps_05"]
+    assert m["steps_05"] == steps05
+    curve = __import__("pandas").read_csv(mini_run / "value" / "curve.csv")
+    assert len(curve) == len(m["params"]["fractions"]) and curve["tau"].between(1.0, 4.0).all()
+
+
+def test_every_stage_records_the_targets_revision(mini_run):
+    """The hub commit whose remote code ran (mini: "", a local directory) in every stage's meta and the manifest."""
+    manifest = json.loads((mini_run / "manifest.json").read_text())
+    assert manifest["params"]["shared"]["revision"] == "" and manifest["params"]["shared"]["trust_remote_code"]
+    for rel in ("data/A/kimi_native_chat", "data/B/glaive", "infer", "analysis", "drafter", "eval", "value"):
+        assert meta(mini_run, rel)["shared"]["revision"] == "", rel

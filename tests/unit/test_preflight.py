@@ -68,22 +68,19 @@ def test_commands_for_keyed_multimodal_mla_servers_run_in_a_shell(exports):
     import subprocess
 
     cmds = preflight.launch_commands("/t", "/d", "sglang", api_key_env="EAGLE_TEST_KEY", multimodal=True,
-                                     cpu_mla=True, revision="abc123")  # fmt: skip
+                                     cpu=True, mla=True, revision="abc123")  # fmt: skip
     env = {"EAGLE_TEST_KEY": "s3cret", "PATH": "/usr/bin:/bin"}
     for name, cmd in cmds.items():
         assert "s3cret" not in cmd
-        out = subprocess.run(["bash", "-c", f"printf '%s\\n' {cmd.removeprefix('VLLM_MLA_DISABLE=1 ')}"],
+        out = subprocess.run(["bash", "-c", f"printf '%s\\n' {cmd.split(' .venv-vllm')[-1]}"],
                              env=env, capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
         assert out[out.index("--api-key") + 1] == "s3cret" and out[out.index("--revision") + 1] == "abc123", (
             name
         )
     vllm = shlex.split(cmds["vllm"])
-    assert vllm[:4] == [
-        "VLLM_MLA_DISABLE=1",
-        ".venv-vllm/bin/python",
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-    ]
+    assert vllm[0] == "VLLM_MLA_DISABLE=1" and vllm[1].startswith("PYTHONPATH=eagle_lib/engines/")
+    assert vllm[2:5] == [".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert vllm[vllm.index("--dtype") + 1] == "float32"
     assert "--language-model-only" in vllm and "--trust-remote-code" not in vllm
     assert json.loads(vllm[vllm.index("--compilation-config") + 1])["custom_ops"] == [
         "all",
