@@ -1,8 +1,9 @@
 """A run's memory and time budget from its params and the target's config (`pipeline validate`, 05's report).
 
 Per trainer rank: the drafter's trainable parameters with fp32 master weights, gradients and AdamW's two moments
-(16 bytes a parameter, sharded over the ranks under FSDP), its frozen embedding (sharded too), the target's final
-norm + lm_head that turn the last hidden state into logits (fp32, whole on every rank), and one micro-batch's
+(16 bytes a parameter, sharded over the ranks under FSDP, which gathers them in bf16 for bf16 precision), its
+frozen embedding (fp32, sharded too), the target's final norm + lm_head that turn the last hidden state into
+logits (the checkpoint's dtype, whole on every rank), and one micro-batch's
 activations (the target logits over the full vocab, the draft logits, log-softmax and their gradients over the
 draft vocab and the decoder layer's saved tensors for each of the k TTT steps, the attention masks or scores).
 The activation term is a formula, not a measurement: `benchmarks/bench_long.py`-style peaks are the check.
@@ -118,10 +119,14 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
         attn = k * heads * t * t * FP32 * 2  # scores and probabilities kept for backward, per step
     else:
         attn = sum(t * (j + 1) * t for j in range(k))  # sdpa: step j's bool mask over (j + 1) T keys
+    head_dtype = str(
+        getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    )
+    head_bytes = {"bfloat16": 2, "float16": 2}.get(head_dtype.removeprefix("torch."), FP32)
     mem = {
         "trainable (fp32 master + grads + AdamW)": counts["trainable"] * FP32 * (2 + ADAM_STATES) // shard,
         "frozen embedding (fp32)": counts["frozen"] * FP32 // shard,
-        "target final norm + lm_head (fp32, whole)": (v * h + h) * FP32,
+        "target final norm + lm_head (checkpoint dtype, whole)": (v * h + h) * head_bytes,
         "activations, one micro-batch (formula)": t * v * FP32 + k * t * (3 * vd + 3 * i + 12 * h) * FP32 + attn,
     }  # fmt: skip
     mem["total"] = sum(mem.values())

@@ -69,8 +69,10 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
-    """DDP or FSDP (fully_shard) when launched with several processes; the module itself otherwise."""
+def wrap(module: nn.Module, mode: str, device: torch.device, bf16: bool = False) -> nn.Module:
+    """DDP or FSDP (fully_shard) when launched with several processes; the module itself otherwise. FSDP with
+    `bf16` (05's bf16 precision): parameters gathered and computed in bf16, gradients reduced in fp32 into the
+    fp32 shards, which stay the only full-precision (master) copy."""
     if not launched():
         return module
     if mode == "ddp":
@@ -79,14 +81,16 @@ def wrap(module: nn.Module, mode: str, device: torch.device) -> nn.Module:
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids)
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kw = {"mp_policy": mp} if mp else {}
         # the TTT loop calls the drafter's leaf modules directly, so each leaf owning parameters is one
         # FSDP unit (gathered by its own forward hook)
         for sub in list(module.modules()):
             if sub is not module and any(True for _ in sub.parameters(recurse=False)):
-                fully_shard(sub)
-        return fully_shard(module)
+                fully_shard(sub, **kw)
+        return fully_shard(module, **kw)
     raise ValueError(f"distributed mode {mode!r}: choose ddp or fsdp")
 
 

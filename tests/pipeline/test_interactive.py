@@ -34,7 +34,12 @@ def test_notebook_opened_from_notebooks_dir_resolves_its_run(spec, ci_run, tmp_p
     )
     nb.cells = head
     with report_env():
-        NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO_ROOT / "notebooks")}}).execute()
+        NotebookClient(
+            nb,
+            timeout=300,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(REPO_ROOT / "notebooks")}},
+        ).execute()
 
 
 def test_04_runs_whole_from_notebooks_dir(ci_run, tmp_path):
@@ -45,10 +50,17 @@ def test_04_runs_whole_from_notebooks_dir(ci_run, tmp_path):
         pm.execute_notebook(
             str(REPO_ROOT / "notebooks/04_length_analysis.ipynb"),
             str(out),
-            parameters={"run_dir": "outputs/ci", "infer_limit": 12, "bootstrap_reps": 500, "max_new_tokens": 64},
+            parameters={
+                "run_dir": "outputs/ci",
+                "infer_limit": 12,
+                "bootstrap_reps": 500,
+                "max_new_tokens": 64,
+            },
             cwd=str(REPO_ROOT / "notebooks"),
             progress_bar=False,
             kernel_name="python3",
         )
     after = json.loads((ci_run / "metrics" / "04_length_analysis.json").read_text())
-    assert {k: v for k, v in after.items() if "second" not in k} == {k: v for k, v in before.items() if "second" not in k}
+    assert {k: v for k, v in after.items() if "second" not in k} == {
+        k: v for k, v in before.items() if "second" not in k
+    }

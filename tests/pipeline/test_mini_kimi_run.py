@@ -236,7 +236,11 @@ def test_06_measures_the_live_vllm_server_with_the_key_and_kimis_stop_ids(mini_r
     assert live and all(c["ok"] for c in live if c["severity"] == "error"), live
     pf = json.loads((mini_run / "eval" / "preflight.json").read_text())
     cmd = next(r["commands"]["vllm"] for r in pf if r["format"] == "speculators")
-    assert '--api-key "$SGLANG_API_KEY"' in cmd and "--language-model-only" in cmd and "--trust-remote-code" in cmd
+    assert (
+        '--api-key "$SGLANG_API_KEY"' in cmd
+        and "--language-model-only" in cmd
+        and "--trust-remote-code" in cmd
+    )
 
 
 def test_07_retrains_on_the_producers_within_the_bound(mini_run):
@@ -254,6 +258,8 @@ def test_07_retrains_on_the_producers_within_the_bound(mini_run):
 def test_every_stage_records_the_targets_revision(mini_run):
     """The hub commit whose remote code ran (mini: "", a local directory) in every stage's meta and the manifest."""
     manifest = json.loads((mini_run / "manifest.json").read_text())
-    assert manifest["params"]["shared"]["revision"] == "" and manifest["params"]["shared"]["trust_remote_code"]
+    assert (
+        manifest["params"]["shared"]["revision"] == "" and manifest["params"]["shared"]["trust_remote_code"]
+    )
     for rel in ("data/A/kimi_native_chat", "data/B/glaive", "infer", "analysis", "drafter", "eval", "value"):
         assert meta(mini_run, rel)["shared"]["revision"] == "", rel

@@ -209,9 +209,7 @@ async def tokenize(request: web.Request) -> web.Response:
     ids = st.tokenizer(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))[
         "input_ids"
     ]
-    return web.json_response(
-        {"tokens": ids, "count": len(ids), "max_model_len": st.max_len}
-    )
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": st.max_len})
 
 
 @web.middleware

@@ -181,7 +181,9 @@ def test_the_share_point_estimate_is_near_the_final_share(calibration):
     lognormal, so this checks the fit and the conditioning on what each in-flight request has produced."""
     errs = [abs(v[2]) for (m, _, _, f, q), v in calibration.items()
             if m == "censored" and q == "share_at_limit" and f >= 0.2]  # fmt: skip
-    print(f"share point estimate, |estimate - final| from 20% on: median {np.median(errs):.4f}, max {max(errs):.4f}")
+    print(
+        f"share point estimate, |estimate - final| from 20% on: median {np.median(errs):.4f}, max {max(errs):.4f}"
+    )
     assert np.median(errs) <= 0.01 and max(errs) <= 0.05, sorted(errs)[-5:]
 
 

@@ -103,3 +103,48 @@ def test_process_group_outlives_the_longest_wait_for_a_producer(monkeypatch):
     distributed.init(torch.device("cpu"))
     assert got["backend"] == "gloo" and isinstance(got["timeout"], datetime.timedelta)
     assert got["timeout"].total_seconds() > engine_hidden.PRODUCER_WAIT_S >= 3600
+
+
+FSDP_BF16 = """
+import json, os, torch, torch.distributed as dist
+from eagle_lib.drafter import distributed
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+c = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                 vocab_size=50, draft_vocab_size=20, target_hidden_size=32, aux_layers=[0, 1, 2])
+m = distributed.wrap(Eagle3Drafter(c), "fsdp", torch.device("cpu"), bf16=os.environ["BF16"] == "1")
+seen = []
+m.fc.register_forward_pre_hook(lambda mod, args: seen.append(str(mod.weight.dtype)))
+out = m.fc(torch.randn(3, 96))
+out.float().sum().backward()
+if dist.get_rank() == 0:
+    w = m.fc.weight
+    print(json.dumps({"in_forward": seen[0], "master": str(w.dtype), "grad": str(w.grad.dtype),
+                      "local_rows": w.to_local().shape[0], "rows": w.shape[0]}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_fsdp_bf16_gathers_bf16_and_keeps_fp32_master_shards(bf16):
+    """05's bf16 precision under FSDP: the gathered weights a module computes with are bf16 (half the
+    all-gather), the shards the optimizer steps stay fp32 and so do their gradients (reduced in fp32); without
+    bf16, everything fp32 (the old wrap gathered fp32 in both cases)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from eagle_lib.engines.vllm_server import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "BF16": "1" if bf16 else "0", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", FSDP_BF16], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    got = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert got["in_forward"] == ("torch.bfloat16" if bf16 else "torch.float32")
+    assert got["master"] == got["grad"] == "torch.float32"
+    assert got["local_rows"] * 2 == got["rows"]  # sharded over the 2 ranks

@@ -300,7 +300,9 @@ def test_a_batch_smaller_than_all_slots_reaches_every_server(world, prompts, sta
         got = list(http(SGLangEngine, [a, b, c], s).generate(reqs(prompts[:6])))
     assert Counter(r.server for r in got) == {a: 2, b: 2, c: 2}
     with ServerThread(standin) as a2, ServerThread(standin) as b2, ServerThread(standin) as c2:
-        eng = http(SGLangEngine, [a2, b2, c2], s)  # one request per call (a last turn): each starts further on
+        eng = http(
+            SGLangEngine, [a2, b2, c2], s
+        )  # one request per call (a last turn): each starts further on
         singles = [r.server for p in prompts[:3] for r in eng.generate(reqs([p]))]
     assert sorted(singles) == sorted([a2, b2, c2])
 

@@ -132,7 +132,11 @@ def test_rows_sharing_a_source_id_keep_the_first_and_count_the_rest(world, tmp_p
     prompts = store.read_jsonl(tmp_path / "data" / "B" / "swe_agent" / "prompts.jsonl")
     m = store.read_json(tmp_path / "data" / "B" / "swe_agent" / "meta.json")
     runs = len(world["valid"]["swe_agent"])
-    assert len({p["id"] for p in prompts}) == len(prompts) == len({r["instance_id"] for r in world["valid"]["swe_agent"]})
+    assert (
+        len({p["id"] for p in prompts})
+        == len(prompts)
+        == len({r["instance_id"] for r in world["valid"]["swe_agent"]})
+    )
     assert m["dropped"]["duplicate_id"] == runs - len(prompts) > 0
 
 

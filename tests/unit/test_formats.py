@@ -414,7 +414,9 @@ def test_two_local_hub_folders_of_one_name_never_share_a_cache(tmp_path, dataset
 
     names = [name for name, _ in kimi_data.HUB_LAYOUT.values()]
     for sub, n in (("a", 4), ("b", 6)):
-        kimi_data.write_hub_repos(tmp_path / sub, {name: [{"k": f"{sub}{i}"} for i in range(n)] for name in names})
+        kimi_data.write_hub_repos(
+            tmp_path / sub, {name: [{"k": f"{sub}{i}"} for i in range(n)] for name in names}
+        )
     for sub, n in (("a", 4), ("b", 6)):
         src = formats.Source(name="u", path=str(tmp_path / sub / "HuggingFaceH4/ultrachat_200k"),
                              adapter="ultrachat", split="train_sft")  # fmt: skip

@@ -58,7 +58,9 @@ def test_validate_namespace_accepts_declared_and_rejects_unknown_or_mistyped():
     cfg = validate_namespace("01_fake", _namespace(n=7), before, REGISTRY)
     root = Path(__file__).resolve().parents[2]  # relative run dirs are under the repository root, not the cwd
     assert cfg.stage.n == 7 and cfg.run_dir == root / "outputs/x" and cfg.out("a") == root / "outputs/x/a"
-    assert validate_namespace("01_fake", _namespace(run_dir="/abs/run"), before, REGISTRY).run_dir == Path("/abs/run")
+    assert validate_namespace("01_fake", _namespace(run_dir="/abs/run"), before, REGISTRY).run_dir == Path(
+        "/abs/run"
+    )
     with pytest.raises(ParamsError, match="unknown parameter.*bogus"):
         validate_namespace("01_fake", _namespace(bogus=1), before, REGISTRY)
     with pytest.raises(ParamsError, match=r"n: Input should be a valid integer"):

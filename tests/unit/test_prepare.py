@@ -52,7 +52,9 @@ def test_records_tally_and_rejects(world, tmp_path):
         raw = [
             json.loads(x) for x in (world["data"] / f"{name}.jsonl").read_text().splitlines() if _parses(x)
         ]
-        by_id = {r["id"]: r for r in _lines(world["data"] / f"{name}.jsonl") if isinstance(r, dict) and "id" in r}
+        by_id = {
+            r["id"]: r for r in _lines(world["data"] / f"{name}.jsonl") if isinstance(r, dict) and "id" in r
+        }
         recs = store.read_jsonl(d / "records.jsonl")
         assert len(recs) == m["kept"] and len({r["id"] for r in recs}) == len(recs) and raw
         for rec in recs:

@@ -8,7 +8,9 @@ from eagle_lib.length_study.verdicts import COLUMNS, _live_checks
 from eagle_lib.lengths import Params
 
 
-def truncation(share: tuple[float, float, float], model: str = "bounds' midpoint", outlived=(0.0, 40.0)) -> dict | None:
+def truncation(
+    share: tuple[float, float, float], model: str = "bounds' midpoint", outlived=(0.0, 40.0)
+) -> dict | None:
     est = {"share_at_limit": share, "share_short": (0.0, 0.0, 0.0), "in_flight": 7, "not_started": 30,
            "finished": 12, "point_model": model, "outlived": outlived}  # fmt: skip
     p = Params(max_limit_share=0.05)
@@ -43,7 +45,10 @@ def test_an_interval_under_the_threshold_says_nothing():
 
 def test_a_model_estimate_is_named_as_such():
     row = truncation((0.24, 0.0, 0.55), "lognormal fit (mu 4.1, sigma 1.2 of log(tokens + 1))")
-    assert row["level"] == "warn" and "end at the limit by the lognormal fit (95% interval 0.0%-55.0%" in row["message"]
+    assert (
+        row["level"] == "warn"
+        and "end at the limit by the lognormal fit (95% interval 0.0%-55.0%" in row["message"]
+    )
     assert "by the lognormal" not in truncation((0.24, 0.1, 0.55))["message"]
 
 
