@@ -75,10 +75,11 @@ class Trainer:
             src = hidden.OnlineHidden(target, self.config.aux_layers)
             return src, target.get_input_embeddings().weight, target.get_output_embeddings().weight, None
         if p.hidden_source == "offline":
-            head = hidden.load_target_head(tgt, self.hf_config)
+            rev = models.hub_kwargs(self.shared)["revision"]
+            head = hidden.load_target_head(tgt, self.hf_config, rev)
             size = models.text_config(self.hf_config).hidden_size
             src = hidden.OfflineHidden(p.hidden_dump_dir, head, size, self.device)
-            return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
+            return src, hidden.load_target_embedding(tgt, rev), head.lm_head, src.has
         if p.hidden_source == "vllm":  # 05's kept hidden states; the missing ones from a vLLM producer
             from eagle_lib.hidden_states.kept_source import KeptSource
 

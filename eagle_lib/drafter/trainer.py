@@ -48,10 +48,11 @@ def _source(cfg, device, hf_config, fp: str):
         if not p.hidden_dump_dir:
             raise params.ParamsError(f"{cfg.name}: hidden_source offline needs hidden_dump_dir")
         tgt = models.resolve(cfg.shared.target)
-        head = hidden.load_target_head(tgt, hf_config)
+        rev = models.hub_kwargs(cfg.shared)["revision"]
+        head = hidden.load_target_head(tgt, hf_config, rev)
         text = models.text_config(hf_config)
         src = hidden.OfflineHidden(p.hidden_dump_dir, head, text.hidden_size, device)
-        return src, hidden.load_target_embedding(tgt), head.lm_head, src.has
+        return src, hidden.load_target_embedding(tgt, rev), head.lm_head, src.has
     if p.hidden_source == "vllm":
         from eagle_lib.hidden_states import engine_hidden
 

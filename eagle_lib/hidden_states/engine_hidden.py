@@ -369,8 +369,8 @@ def make_source(cfg, device, hf_config, fingerprint: str):
                              "model_dtype")} | {"units": units})  # fmt: skip
     root = Path(p.hidden_dump_dir) if p.hidden_dump_dir else out / "hidden_buffer"
     buf = root / key / f"rank{distributed.world()[0]}"
-    head = hidden.load_target_head(target, hf_config)
-    embed = hidden.load_target_embedding(target)
+    head = hidden.load_target_head(target, hf_config, producer_cfg["revision"])
+    embed = hidden.load_target_embedding(target, producer_cfg["revision"])
     kept = hidden_store.HiddenStore(
         root, hidden_store.identity(target, hf_config, embed, head.lm_head, producer_cfg)
     )

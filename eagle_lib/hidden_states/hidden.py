@@ -137,10 +137,11 @@ class HubError(RuntimeError):
     """The hub could not be asked (auth, gated repo, network, offline cache miss): not the same as 'absent'."""
 
 
-def _local_file(target: str, name: str) -> Path | None:
+def _local_file(target: str, name: str, revision: str | None = None) -> Path | None:
     """The file `name` of a target directory or hub repo; None only when the hub says the repo has no such
     file (404). Every other failure (401 / gated, missing repo, timeout, DNS, an offline cache miss) raises
-    HubError saying which: a user whose token expired must not read "no model.safetensors"."""
+    HubError saying which: a user whose token expired must not read "no model.safetensors". `revision`: the
+    pinned hub commit (`models.hub_kwargs`), so the shards are those of the commit whose code and config ran."""
     p = Path(target) / name
     if p.parent.is_dir():
         return p if p.exists() else None
@@ -148,7 +149,7 @@ def _local_file(target: str, name: str) -> Path | None:
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(target, name))
+        return Path(hf_hub_download(target, name, revision=revision or None))
     except LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and not in the cache
         raise HubError(
             f"{target}/{name}: not in the local cache and the hub cannot be reached ({e})"
@@ -159,7 +160,9 @@ def _local_file(target: str, name: str) -> Path | None:
         raise HubError(f"{target}/{name}: {type(e).__name__}: {e}") from None
 
 
-def load_target_tensors(target: str, patterns: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+def load_target_tensors(
+    target: str, patterns: dict[str, list[str]], revision: str | None = None
+) -> dict[str, torch.Tensor]:
     """Load only the named tensors of a target (dir or hub id) from its safetensors shards.
 
     ``patterns`` maps a wanted name to candidate key suffixes, e.g. {"lm_head": ["lm_head.weight"]};
@@ -167,11 +170,11 @@ def load_target_tensors(target: str, patterns: dict[str, list[str]]) -> dict[str
     """
     from safetensors import safe_open
 
-    index = _local_file(target, "model.safetensors.index.json")
+    index = _local_file(target, "model.safetensors.index.json", revision)
     if index is not None:
         weight_map = json.loads(index.read_text())["weight_map"]
     else:
-        single = _local_file(target, "model.safetensors")
+        single = _local_file(target, "model.safetensors", revision)
         if single is None:
             raise FileNotFoundError(f"{target}: no model.safetensors(.index.json)")
         with safe_open(str(single), "pt") as f:
@@ -181,23 +184,22 @@ def load_target_tensors(target: str, patterns: dict[str, list[str]]) -> dict[str
         key = next((k for s in suffixes for k in sorted(weight_map) if k == s or k.endswith("." + s)), None)
         if key is None:
             raise KeyError(f"{target}: no tensor for {want} (looked for keys ending in {suffixes})")
-        with safe_open(str(_local_file(target, weight_map[key])), "pt") as f:
+        with safe_open(str(_local_file(target, weight_map[key], revision)), "pt") as f:
             out[want] = f.get_tensor(key)
     return out
 
 
-def load_target_head(target: str, hf_config) -> TargetHead:
-    """TargetHead from the target's safetensors (final norm + lm_head only)."""
+def load_target_head(target: str, hf_config, revision: str | None = None) -> TargetHead:
+    """TargetHead from the target's safetensors (final norm + lm_head only), at the pinned `revision`."""
     cfg = models.text_config(hf_config)
-    t = load_target_tensors(target, {"norm": ["model.norm.weight"], "lm_head": ["lm_head.weight"]})
+    t = load_target_tensors(target, {"norm": ["model.norm.weight"], "lm_head": ["lm_head.weight"]}, revision)
     return TargetHead(t["norm"], t["lm_head"], getattr(cfg, "rms_norm_eps", 1e-6))
 
 
-def load_target_embedding(target: str) -> torch.Tensor:
-    """The target's input embedding (V, H) without loading the model."""
-    return load_target_tensors(target, {"embed": ["model.embed_tokens.weight", "embed_tokens.weight"]})[
-        "embed"
-    ]
+def load_target_embedding(target: str, revision: str | None = None) -> torch.Tensor:
+    """The target's input embedding (V, H) without loading the model, at the pinned `revision`."""
+    names = {"embed": ["model.embed_tokens.weight", "embed_tokens.weight"]}
+    return load_target_tensors(target, names, revision)["embed"]
 
 
 class OfflineHidden:

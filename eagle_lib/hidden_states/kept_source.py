@@ -47,8 +47,9 @@ class KeptSource:
         self.last_col, self.h, self.device = self.ids.index(text.num_hidden_layers), text.hidden_size, device
         self.recipe, self.shared, self.text = recipe, shared, text
         self.target = models.resolve(shared.target)
-        self.head = hidden.load_target_head(self.target, hf_config).to(device)
-        self.embed = hidden.load_target_embedding(self.target)
+        rev = models.hub_kwargs(shared)["revision"]
+        self.head = hidden.load_target_head(self.target, hf_config, rev).to(device)
+        self.embed = hidden.load_target_embedding(self.target, rev)
         self.pcfg = engine_hidden.producer_config(
             recipe, shared, text, self.ids, 0, device.type == "cpu", text is not hf_config
         )

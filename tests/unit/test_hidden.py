@@ -149,3 +149,28 @@ def test_hub_failures_are_named_not_read_as_a_missing_file(monkeypatch, raised, 
     else:
         with pytest.raises(hidden.HubError, match=want):
             hidden.load_target_tensors("org/model", {"x": ["x"]})
+
+
+def test_hub_shard_downloads_are_at_the_pinned_revision(target, monkeypatch):
+    """The head and embedding of a hub target come from the commit whose config and remote code ran (the old
+    loader downloaded `main`'s shards whatever the pin)."""
+    import huggingface_hub
+
+    path, model = target
+    calls = []
+
+    def download(repo, filename, revision=None, **kw):
+        calls.append((repo, filename, revision))
+        if not (path / filename).exists():  # the hub's 404 for a file the repo does not have
+            resp = type("R", (), {"status_code": 404, "headers": {}, "request": None})()
+            raise huggingface_hub.errors.RemoteEntryNotFoundError("404 Client Error", response=resp)
+        return str(path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    pin = "0123456789abcdef0123456789abcdef01234567"
+    head = hidden.load_target_head("org/model", model.config, pin)
+    emb = hidden.load_target_embedding("org/model", pin)
+    assert torch.equal(head.lm_head, model.lm_head.weight) and torch.equal(
+        emb, model.model.embed_tokens.weight
+    )
+    assert calls and all(r == ("org/model", r[1], pin) for r in calls), calls
