@@ -44,7 +44,12 @@ class Params(params.Strict):
     api_key_env: str = ""  # NAME of the environment variable holding the servers' API key; empty: none
     concurrency: int = 8  # requests in flight per server
     timeout_s: float = 1800.0  # one request's time limit (long reasoning answers take minutes)
-    max_retries: int = 6  # retries of a timed-out / refused / 5xx / 429 request before it is an error
+    max_retries: int = (
+        6  # charged retries of a request (its own timeouts; faults on every server) before it is an error
+    )
+    all_down_s: float = (
+        1800.0  # sglang/openai: stop (resumable) when no server has been in rotation this long
+    )
     backoff_s: float = 1.0  # first retry delay; doubles per retry, +-50% jitter
     backoff_max_s: float = 60.0  # longest retry delay
     temperature: float = 0.0  # 0: greedy
@@ -162,7 +167,7 @@ def make_engine(cfg: params.StageConfig, tokenizer):
     api_key = params.secret_from_env(p.api_key_env, "03_infer servers")
     return cls(p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency, timeout_s=p.timeout_s,
                max_retries=p.max_retries, backoff_s=p.backoff_s, backoff_max_s=p.backoff_max_s, api_key=api_key,
-               model=p.served_model)  # fmt: skip
+               model=p.served_model, all_down_s=p.all_down_s)  # fmt: skip
 
 
 def _progress(enabled: bool, total: int, name: str):
@@ -330,6 +335,7 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
     total = {k: sum(m[k] for m in metas.values()) for k in keys}
     meta = total | {
         "dropped": {}, "datasets": metas, "probe": probe, "shard": shard or None, "target": identity,
+        "servers": engine.server_stats() if hasattr(engine, "server_stats") else [],
         "tokens_per_s": round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 2),
         "finish_reason": dict(sum((Counter(m["finish_reason"]) for m in metas.values()), Counter())),
         "params": cfg.stage.model_dump(mode="json"), "shared": cfg.shared.model_dump(mode="json"),
@@ -447,3 +453,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def servers_table(meta: dict):
+    """03's per-server accounting (HTTP engines), one row a server."""
+    import pandas as pd
+
+    rows = [{**{k: v for k, v in r.items() if k != "failures"}, "failures": ", ".join(f"{k} {n}" for k, n in r["failures"].items()) or "-"}
+            for r in meta.get("servers") or []]  # fmt: skip
+    return pd.DataFrame(rows) if rows else pd.DataFrame([{"servers": "embedded engine: no servers"}])

@@ -2,12 +2,22 @@
 
 Token ids go out (`input_ids` / `prompt` as an id list) and come back (`output_ids` / `choices[0].token_ids`
 with `return_token_ids`), so no text is ever re-tokenized. Many servers share one work queue, each with
-`concurrency` requests in flight, so faster servers take more work. Faults:
-- timeouts, refused/reset connections, HTTP 5xx and 429: retried with exponential backoff and jitter (on any
-  server: the request goes back to the shared queue), up to `max_retries`; then a Failure "retries_exhausted";
-- other 4xx, non-JSON or wrongly shaped replies, ids outside the vocabulary: a Failure with the reason, at once.
-`check()` probes every server before any work: down, not answering, or tokenizing a probe text differently
-from the target tokenizer (a different model) -> EngineError naming the server.
+`concurrency` requests in flight, so faster servers take more work.
+
+Health is per server, not per request (`ServerHealth`): a server that fails (refused, reset, HTTP 5xx or 429,
+a timeout) is taken out of rotation at once; its workers take no work while a prober re-checks it (the
+engine's full probe: health, model, tokenizer) after an exponential backoff (`backoff_s` doubling up to
+`backoff_max_s`, with jitter), and it gets work again only once the probe passes. The request it held goes
+back to the queue without being charged: a request is charged a retry only for what is its own, a timeout
+(``timeout_s`` is the longest an answer may take) or a server fault after it has failed on every server; at
+`max_retries` charged retries it is a Failure "retries_exhausted". Other 4xx, non-JSON or wrongly shaped
+replies, ids outside the vocabulary: a Failure with the reason, at once. Nothing is lost or duplicated: a
+request is in the queue, in flight on one worker, or emitted once. With no server in rotation for
+`all_down_s`, generate() raises EngineError (03 then stops; a restart resumes).
+
+`check()` probes every server before any work: a server that is down or not answering starts out of rotation
+(reported, and probed again during the run); one that serves another vocabulary (a different model) or no
+server at all answering -> EngineError naming each.
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ import queue
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -30,11 +42,48 @@ PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà 
 
 
 class Retryable(Exception):
-    """A transient fault: try again later (maybe elsewhere)."""
+    """A transient fault: try again later (maybe elsewhere); `kind`: refused | reset | timeout | http_5xx |
+    http_429."""
 
-    def __init__(self, detail: str, retry_after: float = 0.0):
+    def __init__(self, detail: str, retry_after: float = 0.0, kind: str = "reset"):
         super().__init__(detail)
-        self.retry_after = retry_after
+        self.retry_after, self.kind = retry_after, kind
+
+
+@dataclass
+class ServerHealth:
+    """One server's rotation state and accounting (03's meta ``servers``)."""
+
+    url: str
+    healthy: bool = True
+    next_probe: float = 0.0  # monotonic time of the next probe while out of rotation
+    level: int = 0  # failed probes in a row (the backoff exponent)
+    out_since: float | None = None
+    out_s: float = 0.0  # total seconds out of rotation
+    answered: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0  # summed latency of the answers it gave
+    failures: Counter = field(default_factory=Counter)
+    last_error: str = ""
+
+    def take_out(self, now: float, kind: str, detail: str, delay: float) -> None:
+        self.failures[kind] += 1
+        self.last_error = detail[:300]
+        if self.healthy:
+            self.healthy, self.out_since, self.next_probe = False, now, now + delay
+
+    def back(self, now: float) -> None:
+        if not self.healthy:
+            self.out_s += now - (self.out_since or now)
+        self.healthy, self.level, self.out_since = True, 0, None
+
+    def record(self, now: float | None = None) -> dict:
+        now = time.monotonic() if now is None else now
+        out = self.out_s + (now - self.out_since if self.out_since is not None else 0.0)
+        tps = self.tokens / self.busy_s if self.busy_s else None
+        return {"url": self.url, "in_rotation": self.healthy, "answered": self.answered, "tokens": self.tokens,
+                "tokens_per_s_per_request": round(tps, 2) if tps else None, "failures": dict(self.failures),
+                "seconds_out_of_rotation": round(out, 2), "last_error": self.last_error}  # fmt: skip
 
 
 class Rejected(Exception):
@@ -86,6 +135,7 @@ class HttpEngine(abc.ABC):
         api_key: str | None = None,
         model: str = "",
         send_seed: bool = True,
+        all_down_s: float = 1800.0,
     ):
         if not urls:
             raise EngineError(f"engine {self.name}: no server URLs given (server_urls is empty)")
@@ -95,7 +145,10 @@ class HttpEngine(abc.ABC):
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.max_retries, self.backoff_s, self.backoff_max_s = max_retries, backoff_s, backoff_max_s
         self.api_key, self.model, self.send_seed = api_key, model, send_seed
-        self.retries = 0  # total retried attempts of the last generate()
+        self.retries = 0  # total charged retries of the last generate()
+        self.all_down_s = all_down_s
+        self.health = {u: ServerHealth(u) for u in self.urls}  # kept across generate() calls (datasets)
+        self._tokenizer = None  # check()'s: the prober re-runs the full probe before a server gets work again
 
     # ---- subclass hooks -------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -124,16 +177,18 @@ class HttpEngine(abc.ABC):
             async with session.request(method, url, json=body) as resp:
                 raw = await resp.read()
                 if resp.status == 429 or resp.status >= 500:
-                    raise Retryable(f"HTTP {resp.status} from {url}: {_excerpt(raw)}", _retry_after(resp))
+                    kind = "http_429" if resp.status == 429 else "http_5xx"
+                    raise Retryable(
+                        f"HTTP {resp.status} from {url}: {_excerpt(raw)}", _retry_after(resp), kind
+                    )
                 if resp.status >= 400:
                     raise Rejected(f"http_{resp.status}", _excerpt(raw))
-        except (
-            aiohttp.ClientConnectionError,
-            aiohttp.ClientPayloadError,
-            TimeoutError,
-            ConnectionError,
-        ) as e:
-            raise Retryable(f"{type(e).__name__} on {url}: {e}") from None
+        except TimeoutError as e:
+            raise Retryable(f"timeout ({type(e).__name__}) on {url}: {e}", kind="timeout") from None
+        except aiohttp.ClientConnectorError as e:
+            raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="refused") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
+            raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="reset") from None
         if not raw.strip():
             return None  # e.g. /health answers 200 with an empty body
         try:
@@ -162,24 +217,35 @@ class HttpEngine(abc.ABC):
             raise Rejected(f"finish_{finish}", f"finish reason {finish!r} (expected stop or length)")
         return ids
 
-    def backoff(self, attempt: int, retry_after: float) -> float:
-        """Exponential backoff with +-50% jitter, at least the server's Retry-After."""
-        base = min(self.backoff_max_s, self.backoff_s * 2**attempt)
-        return max(retry_after, base * random.uniform(0.5, 1.5))
-
     # ---- probe ----------------------------------------------------------------------------------------------
     def check(self, tokenizer) -> dict:
-        """Probe every server; raise EngineError listing each one that is down or serves another vocabulary."""
+        """Probe every server. Down or not answering: out of rotation from the start (reported; probed again
+        during the run). EngineError when a server serves another vocabulary or rejects the probe, or when
+        none is up (each URL's error)."""
+        self._tokenizer = tokenizer
 
         async def probe_all():
-            async with self._session(timeout_s=max(30.0, self.connect_timeout_s * 3)) as s:
+            async with self._session(timeout_s=self._probe_timeout()) as s:
                 return await asyncio.gather(*(self._probe_one(s, u, tokenizer) for u in self.urls))
 
         infos = _run_sync(probe_all())
-        bad = [i["error"] for i in infos if "error" in i]
-        if bad:
-            raise EngineError(f"engine {self.name}: health probe failed:\n  " + "\n  ".join(bad))
-        return {"engine": self.name, "servers": infos}
+        wrong = [i["error"] for i in infos if "error" in i and not i.get("down")]
+        down = [i for i in infos if i.get("down")]
+        if wrong or len(down) == len(infos):
+            raise EngineError(
+                f"engine {self.name}: health probe failed:\n  "
+                + "\n  ".join(i["error"] for i in infos if "error" in i)
+            )
+        now = time.monotonic()
+        for i in down:
+            self.health[i["url"]].take_out(now, i["kind"], i["error"], self._delay(0))
+        return {"engine": self.name, "servers": infos, "down_at_start": [i["url"] for i in down]}
+
+    def _probe_timeout(self) -> float:
+        return max(30.0, self.connect_timeout_s * 3)
+
+    def _delay(self, level: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * 2**level) * random.uniform(0.5, 1.5)
 
     async def _probe_one(self, session, url: str, tokenizer) -> dict:
         try:
@@ -187,9 +253,19 @@ class HttpEngine(abc.ABC):
         except EngineError as e:
             return {"url": url, "error": str(e)}
         except Retryable as e:
-            return {"url": url, "error": f"{url}: server is down or not answering ({e})"}
+            return {
+                "url": url,
+                "error": f"{url}: server is down or not answering ({e})",
+                "down": True,
+                "kind": e.kind,
+            }
         except Rejected as e:
             return {"url": url, "error": f"{url}: probe rejected ({e})"}
+
+    def server_stats(self) -> list[dict]:
+        """Per server: answered, tokens, tokens/s per request, failures by kind, time out of rotation."""
+        now = time.monotonic()
+        return [h.record(now) for h in self.health.values()]
 
     def compare_tokens(self, url: str, served: str, server_ids, local_ids: list[int]) -> None:
         """The server must tokenize the probe text exactly as the target tokenizer does."""
@@ -233,8 +309,8 @@ class HttpEngine(abc.ABC):
         self.retries = 0
         work: asyncio.Queue = asyncio.Queue()
         for r in requests:
-            work.put_nowait((r, 0, None))
-        state = {"left": len(requests)}
+            work.put_nowait((r, 0, None, frozenset()))
+        state = {"left": len(requests), "all_down_since": None}
         async with self._session() as session:
             # server-interleaved, starting one server further each call: small batches (a dataset's last turns)
             # are spread over every server instead of always landing on the first ones
@@ -246,34 +322,90 @@ class HttpEngine(abc.ABC):
                 for _ in range(self.concurrency)
                 for url in order
             ]
-            await asyncio.gather(*workers)
+            probers = [asyncio.create_task(self._prober(url, state, stop)) for url in order]
+            tasks = workers + probers
+            try:  # until every request is emitted, or the first error (no server in rotation for all_down_s)
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    t.result()
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _prober(self, url: str, state: dict, stop: threading.Event) -> None:
+        """While `url` is out of rotation: the full probe at its backoff time; back in rotation when it passes.
+        Also the all-servers-down deadline."""
+        h = self.health[url]
+        async with self._session(timeout_s=self._probe_timeout()) as session:
+            while state["left"] > 0 and not stop.is_set():
+                now = time.monotonic()
+                if all(not x.healthy for x in self.health.values()):
+                    state["all_down_since"] = state["all_down_since"] or now
+                    if now - state["all_down_since"] > self.all_down_s:
+                        errs = "; ".join(f"{x.url}: {x.last_error}" for x in self.health.values())
+                        raise EngineError(
+                            f"engine {self.name}: no server in rotation for {self.all_down_s:.0f} s ({errs})"
+                        )
+                else:
+                    state["all_down_since"] = None
+                if h.healthy or now < h.next_probe:
+                    await asyncio.sleep(0.1)
+                    continue
+                try:
+                    if self._tokenizer is not None:
+                        await self.probe(session, url, self._tokenizer)
+                    else:
+                        await self.request_json(session, "GET", url + "/health")
+                    h.back(time.monotonic())
+                except (Retryable, Rejected, EngineError) as e:
+                    h.level += 1
+                    h.last_error = str(e)[:300]
+                    h.next_probe = time.monotonic() + self._delay(h.level)
 
     async def _worker(self, session, url: str, work: asyncio.Queue, state: dict, emit, stop) -> None:
+        h = self.health[url]
         while state["left"] > 0 and not stop.is_set():
+            if not h.healthy:  # out of rotation: the prober decides when it takes work again
+                await asyncio.sleep(0.1)
+                continue
             try:
-                req, attempt, t0 = await asyncio.wait_for(work.get(), timeout=0.2)
+                req, attempt, t0, failed_on = await asyncio.wait_for(work.get(), timeout=0.2)
             except TimeoutError:
                 continue  # other workers may still put retried requests back
+            if not h.healthy:  # taken out while this worker waited: the request goes back, uncharged
+                work.put_nowait((req, attempt, t0, failed_on))
+                continue
             t0 = t0 or time.monotonic()  # latency counts from the first attempt, retries included
             if self.on_start:
                 self.on_start(req.id, url)  # 03's ledger: every attempt (readers keep the latest start)
+            sent = time.monotonic()
             try:
                 data = await self.request_json(session, "POST", url + self.path, self.payload(req))
                 ids, finish = self.parse(req, data)
                 item = Result(req.id, ids, finish, time.monotonic() - t0, url, attempt)
+                h.answered, h.tokens, h.busy_s = (
+                    h.answered + 1,
+                    h.tokens + len(ids),
+                    h.busy_s + time.monotonic() - sent,
+                )
             except Rejected as e:
                 item = Failure(req.id, e.reason, e.detail, url, attempt)
             except Retryable as e:
-                if attempt < self.max_retries:
-                    self.retries += 1
-                    work.put_nowait((req, attempt + 1, t0))
-                    await asyncio.sleep(
-                        self.backoff(attempt, e.retry_after)
-                    )  # this server rests, others go on
+                now = time.monotonic()
+                h.take_out(now, e.kind, str(e), max(e.retry_after, self._delay(h.level)))
+                failed_on = failed_on | {url}
+                # the request's own fault: a timeout, or failing on every server; else the server's (uncharged)
+                charged = e.kind == "timeout" or len(failed_on) >= len(self.urls)
+                if charged and attempt >= self.max_retries:
+                    item = Failure(
+                        req.id, "retries_exhausted", f"{self.max_retries} retries, last: {e}", url, attempt
+                    )
+                else:
+                    if charged:
+                        self.retries += 1
+                    work.put_nowait((req, attempt + 1 if charged else attempt, t0, failed_on))
                     continue
-                item = Failure(
-                    req.id, "retries_exhausted", f"{self.max_retries} retries, last: {e}", url, attempt
-                )
             state["left"] -= 1
             emit(item)
 

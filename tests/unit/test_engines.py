@@ -323,7 +323,7 @@ def test_probe_fails_fast_when_the_server_is_down(world, monkeypatch):
     """Fast = no retry and no backoff wait (counted, not timed: a clock would race the machine's load)."""
     _, tok, _ = world
     waits = []
-    monkeypatch.setattr(SGLangEngine, "backoff", lambda self, *a: waits.append(a) or 0.0)
+    monkeypatch.setattr(SGLangEngine, "_delay", lambda self, *a: waits.append(a) or 0.0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, not listening: connections are refused
@@ -340,3 +340,136 @@ def test_probe_rejects_a_server_with_another_vocabulary(world, tmp_path, cls):
     with ServerThread(StandIn(str(d), tokenizer_dir=str(other))) as url:
         with pytest.raises(EngineError, match="vocabulary does not match"):
             cls([url], Sampling(), vocab_size=264).check(tok)
+
+
+def dead_url() -> tuple[socket.socket, str]:
+    """A port bound but not listening: connections are refused (keep the socket open while in use)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def standin_process(model_dir, port: int, delay_s: float):
+    """A stand-in in its own process (so it can be SIGKILLed), once it answers /health."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from eagle_lib.pipeline import REPO_ROOT
+
+    cmd = [sys.executable, "-m", "tests.support.sglang_standin", "--model", str(model_dir), "--port", str(port),
+           "--faults", json.dumps({"delay_s": delay_s})]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "stand-in process exited"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("stand-in process did not start")
+
+
+@pytest.mark.parametrize("delay_s", [1.0])
+def test_a_dead_server_and_one_killed_mid_run_cost_no_retries(world, prompts, delay_s):
+    """The fault test of issue 24: three servers, one dead from the start, one SIGKILLed mid-run (its in-flight
+    requests reset) and restarted on its port, answers slow enough (delay_s) that the dead one's workers would
+    otherwise win the queue. Every prompt is answered once, no retry is charged to any request, the outputs
+    equal a fault-free run's (greedy), and the dead server is out of rotation, not hammered (the old engine
+    charged every failed attempt on it to the request and failed 3.8% of the prompts)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from eagle_lib.engines.vllm_server import free_port
+
+    d, tok, model = world
+    s = Sampling(max_new_tokens=6)
+    ps = prompts[:16]
+    ref = embedded_ref(model, ps, s)
+    sock, dead = dead_url()
+    port = free_port()
+    flaky, procs = f"http://127.0.0.1:{port}", [standin_process(d, port, delay_s)]
+    try:
+        with sock, ServerThread(StandIn(str(d), faults=Faults(delay_s=delay_s))) as live:
+            eng = http(SGLangEngine, [dead, flaky, live], s, concurrency=2, timeout_s=30.0, backoff_s=0.2,
+                       backoff_max_s=1.0, max_retries=8)  # fmt: skip
+            assert eng.check(tok)["down_at_start"] == [dead]
+
+            def kill_and_restart():
+                time.sleep(delay_s * 1.5)  # mid-run: two requests are in flight on it
+                os.killpg(procs[0].pid, signal.SIGKILL)
+                procs[0].wait()
+                procs.append(standin_process(d, port, delay_s))
+
+            t = threading.Thread(target=kill_and_restart)
+            t.start()
+            got = list(eng.generate(reqs(ps)))
+            t.join()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert sorted(r.id for r in got) == sorted(p["id"] for p in ps)  # each once
+    assert all(isinstance(r, Result) and r.retries == 0 for r in got) and eng.retries == 0
+    assert {r.id: r.output_ids for r in got} == {k: r.output_ids for k, r in ref.items()}
+    stats = {r["url"]: r for r in eng.server_stats()}
+    print({u: (r["answered"], r["failures"], r["seconds_out_of_rotation"]) for u, r in stats.items()})
+    assert (
+        stats[dead]["answered"] == 0
+        and not stats[dead]["in_rotation"]
+        and stats[dead]["seconds_out_of_rotation"] > 0
+    )
+    assert stats[dead]["failures"] == {"refused": 1}  # taken out at the start; its probes are not requests
+    assert stats[flaky]["failures"].get("reset", 0) >= 1  # the SIGKILL reset its in-flight requests
+    assert stats[live]["answered"] + stats[flaky]["answered"] == len(ps)
+
+
+def test_a_server_that_accepts_but_never_answers_leaves_the_rotation(world, prompts, standin):
+    """A socket that only listens: its requests time out (charged to them: a timeout is the request's), the
+    server is out of rotation after the first, and the other server answers everything."""
+    s = Sampling(max_new_tokens=4)
+    standin.faults = Faults()
+    with socket.socket() as hole, ServerThread(standin) as good:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)  # connections complete in the backlog; nothing is ever read or answered
+        black = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        eng = http(
+            SGLangEngine, [black, good], s, concurrency=2, timeout_s=1.0, backoff_s=5.0, backoff_max_s=5.0
+        )
+        got = list(eng.generate(reqs(prompts[:8])))
+    assert len(got) == 8 and all(isinstance(r, Result) and r.server == good for r in got)
+    st = {r["url"]: r for r in eng.server_stats()}
+    assert not st[black]["in_rotation"] and st[black]["failures"] == {"timeout": 2}  # its 2 slots, once each
+    assert eng.retries == 2 and st[good]["answered"] == 8
+
+
+def test_starts_with_a_server_down_and_refuses_only_when_all_are(world, standin):
+    _, tok, _ = world
+    standin.faults = Faults()
+    s1, d1 = dead_url()
+    s2, d2 = dead_url()
+    with s1, s2, ServerThread(standin) as good:
+        info = http(SGLangEngine, [d1, good], Sampling()).check(tok)
+        assert info["down_at_start"] == [d1] and len(info["servers"]) == 2
+        with pytest.raises(EngineError) as e:
+            http(SGLangEngine, [d1, d2], Sampling()).check(tok)
+    assert d1 in str(e.value) and d2 in str(e.value)
+
+
+def test_no_server_in_rotation_for_all_down_s_stops_the_run(world, prompts, standin):
+    """Every server gone mid-run: generate() raises after all_down_s instead of waiting forever (03 stops with
+    what it wrote; a restart resumes)."""
+    sock, dead = dead_url()
+    with sock:
+        eng = http(SGLangEngine, [dead], Sampling(max_new_tokens=4), all_down_s=0.5, backoff_s=0.1)
+        with pytest.raises(EngineError, match="no server in rotation"):
+            list(eng.generate(reqs(prompts[:2])))

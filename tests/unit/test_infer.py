@@ -331,13 +331,36 @@ def test_faults_summary_and_retry_of_errors(world, tmp_path):
 
 
 def test_stage_fails_fast_when_the_server_is_down(world, tmp_path, monkeypatch):
+    """Its only server down: refused at the probe with the URL's error (with others up it would start)."""
     d, tok = world
     run = make_run(tmp_path, tok, {"a": 2})
     waits = []  # fast = no retry and no backoff wait (counted, not timed)
-    monkeypatch.setattr(SGLangEngine, "backoff", lambda self, *a: waits.append(a) or 0.0)
+    monkeypatch.setattr(SGLangEngine, "_delay", lambda self, *a: waits.append(a) or 0.0)
     with pytest.raises(infer.InferError, match="(?s)health probe failed.*down or not answering"):
         infer.run(config(run, d, engine="sglang", server_urls=["http://127.0.0.1:9"]))
     assert waits == [] and not (run / "infer/a").exists()
+
+
+def test_stage_runs_with_one_server_down_and_reports_each_server(world, tmp_path):
+    """One of two URLs down at the start: 03 completes on the other, and meta.json says which was down, what
+    each answered and how long the dead one was out of rotation."""
+    import socket
+
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 4})
+    with socket.socket() as sock, ServerThread(StandIn(str(d))) as url:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        meta = infer.run(
+            config(run, d, engine="sglang", server_urls=[dead, url], backoff_s=0.05, timeout_s=20.0)
+        )
+    assert (meta["kept"], meta["rejected"]) == (4, 0) and meta["probe"]["down_at_start"] == [dead]
+    st = {r["url"]: r for r in meta["servers"]}
+    assert (
+        st[dead]["answered"] == 0 and st[dead]["seconds_out_of_rotation"] > 0 and not st[dead]["in_rotation"]
+    )
+    assert st[url]["answered"] == 4 and st[url]["failures"] == {}
+    assert infer.servers_table(meta).shape[0] == 2
 
 
 def test_api_key_is_read_from_the_named_variable(world, tmp_path, monkeypatch):
