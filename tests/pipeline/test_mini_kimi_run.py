@@ -232,8 +232,8 @@ def test_06_measures_the_live_vllm_server_with_the_key_and_kimis_stop_ids(mini_r
         for ds, r in per_ds.items():  # the server drafted and counted (its own /metrics)
             assert r["drafts"] > 0 and 1.0 <= r["tau"] <= 4.0, (temp, ds, r)
             assert all(ids and max(ids) < 163840 for ids in r["outputs"].values())
-    live = json.loads((mini_run / "eval" / "live_preflight.json").read_text())
-    assert live and all(c["ok"] for c in live if c["severity"] == "error"), live
+    live = {c["name"]: c for c in json.loads((mini_run / "eval" / "live_preflight.json").read_text())}
+    assert live["vllm draft tokens per step (metrics)"]["ok"]  # the server drafted num_steps a step
     pf = json.loads((mini_run / "eval" / "preflight.json").read_text())
     cmd = next(r["commands"]["vllm"] for r in pf if r["format"] == "speculators")
     assert (
@@ -249,10 +249,19 @@ def test_07_retrains_on_the_producers_within_the_bound(mini_run):
     h = m["hidden"]
     assert h["producer_sessions"] == 1 and h["peak_buffer_bytes"] <= h["max_buffer_bytes"]
     assert h["mode"] == "keep" and h["produced_tokens"] > 0  # the mini run fits its bound: kept once, reused
-    steps05 = meta(mini_run, "drafter")["steps"] if "steps" in meta(mini_run, "drafter") else m["steps_05"]
-    assert m["steps_05"] == steps05
-    curve = __import__("pandas").read_csv(mini_run / "value" / "curve.csv")
-    assert len(curve) == len(m["params"]["fractions"]) and curve["tau"].between(1.0, 4.0).all()
+    assert (
+        m["recipe"]["nproc_per_node"] == 2 and m["headline"]["recipe_world_size"] == 2
+    )  # 05's 2-rank recipe
+    full = m["headline"]["arms"]["1"]
+    assert (
+        full["drafter"] == "05's final drafter" and full["steps"] == m["steps_05"]
+    )  # 07's full point is 05's
+    import pandas as pd
+
+    curve = pd.read_csv(mini_run / "value" / "curve.csv")
+    assert len(curve) == len(m["params"]["fractions"]) and curve["tau_all"].between(1.0, 4.0).all()
+    lodo = pd.read_csv(mini_run / "value" / "lodo.csv")
+    assert len(lodo) > 0  # one arm per dataset (lodo_units: {}), as the Kimi params ask
 
 
 def test_every_stage_records_the_targets_revision(mini_run):
@@ -261,5 +270,38 @@ def test_every_stage_records_the_targets_revision(mini_run):
     assert (
         manifest["params"]["shared"]["revision"] == "" and manifest["params"]["shared"]["trust_remote_code"]
     )
-    for rel in ("data/A/kimi_native_chat", "data/B/glaive", "infer", "analysis", "drafter", "eval", "value"):
+    for rel in ("data/A", "data/B", "infer", "analysis", "drafter", "eval", "value"):
         assert meta(mini_run, rel)["shared"]["revision"] == "", rel
+
+
+def test_06_greedy_answers_through_vllm_with_the_drafter_equal_transformers(mini_run):
+    """What the Kimi-shaped target answers through vLLM CPU with the EAGLE-3 drafter at T=0 (MLA off, as the
+    printed command runs it) is what transformers' greedy decoding of the same target answers: speculative
+    serving is lossless. (The mini drafter trains 1 step at Kimi's learning rate, so its drafts are rarely
+    accepted: tau ~1.0 and 06 says "collapsed"; the mini run checks the mechanics, the toy world the quality.)"""
+    import torch
+
+    from eagle_lib import acceptance, models, params
+    from eagle_lib.serving import online
+
+    run = params.load_params(MINI)
+    p = run.stage("06_eval_acceptance")
+    shared = run.shared
+    tok = models.load_tokenizer(shared)
+    prompts, _ = acceptance.heldout_prompts(mini_run, shared.heldout_percent, p)
+    prompts |= acceptance.eval_set_prompts(p, tok)[0]
+    target = models.load_target(shared, device="cpu")
+    eos = models.stop_ids(tok, target)
+    served = json.loads((mini_run / "eval" / "online.json").read_text())["by_temperature"]["0.0"]
+    n = 0
+    for ds, ps in prompts.items():
+        for pr in ps[: p.online_max_prompts]:
+            x = torch.tensor([pr.prompt_ids])
+            with torch.no_grad():
+                g = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=eos,
+                                    max_new_tokens=p.eval_max_new_tokens, pad_token_id=163839)  # fmt: skip
+            ref = g[0, x.shape[1] :].tolist()
+            ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
+            assert online.same_output(served[ds]["outputs"][pr.id], ref, set(eos)), (ds, pr.id)
+            n += 1
+    assert n >= 10
