@@ -291,10 +291,10 @@ def _models(cfg: params.StageConfig, drafter_dir: Path):
 
 def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict) -> list[dict]:
     """Preflight every export against the target and the intended commands."""
-    from eagle_lib.serving import preflight
+    from eagle_lib.serving import commands, preflight
 
     p, sh = cfg.stage, cfg.shared
-    launch = preflight.launch_kwargs(p, sh, tcfg)
+    launch = commands.launch_kwargs(p, sh, tcfg)
     trained = _trained_aux(Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final"))
     args = (sh.target, p.sglang_cmd, None, sh.trust_remote_code, tcfg, trained)
     return [preflight.preflight(d, *args, **launch).to_dict() for d in exports.values()]

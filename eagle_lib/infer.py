@@ -161,7 +161,7 @@ def make_engine(cfg: params.StageConfig, tokenizer):
             torch.set_num_threads(models.num_workers(shared.num_workers))
         model = models.load_target(shared, dtype=None if p.dtype == "auto" else getattr(torch, p.dtype))
         return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len)
-    from eagle_lib.engines.http import OpenAIEngine, SGLangEngine
+    from eagle_lib.engines.http_apis import OpenAIEngine, SGLangEngine
 
     cls = {"sglang": SGLangEngine, "openai": OpenAIEngine}[p.engine]
     api_key = params.secret_from_env(p.api_key_env, "03_infer servers")
@@ -355,41 +355,6 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
     return meta
 
 
-def summary_table(meta: dict):
-    """Per dataset: prompts, responses, errors (responses + errors = prompts), tokens, speed; plus TOTAL."""
-    import pandas as pd
-
-    cols = ["read", "kept", "rejected", "resumed", "generated", "output_tokens", "mean_output_tokens",
-            "max_output_tokens", "tokens_per_s", "retries"]  # fmt: skip
-    df = pd.DataFrame([{"dataset": n, **{c: m[c] for c in cols}} for n, m in meta["datasets"].items()])
-    total = {
-        c: df[c].sum()
-        for c in ("read", "kept", "rejected", "resumed", "generated", "output_tokens", "retries")
-    }
-    total |= {"mean_output_tokens": round(meta["output_tokens"] / max(meta["kept"], 1), 2),
-              "max_output_tokens": df["max_output_tokens"].max(), "tokens_per_s": meta["tokens_per_s"]}  # fmt: skip
-    df = pd.concat([df, pd.DataFrame([{"dataset": "TOTAL", **total}])], ignore_index=True)
-    return df.rename(columns={"read": "prompts", "kept": "responses", "rejected": "errors"})
-
-
-def finish_table(meta: dict):
-    """finish_reason counts and shares per dataset (a high "length" share means max_new_tokens cuts answers)."""
-    import pandas as pd
-
-    rows = []
-    for name, m in meta["datasets"].items():
-        fr, n = m["finish_reason"], max(m["kept"], 1)
-        rows.append(
-            {
-                "dataset": name,
-                "stop": fr.get("stop", 0),
-                "length": fr.get("length", 0),
-                "length_share": round(fr.get("length", 0) / n, 4),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
 def headline(meta: dict) -> dict:
     """The numbers the notebook records: counts, tokens, speed, share of answers cut by max_new_tokens."""
     n = max(meta["kept"], 1)
@@ -447,18 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         "03_infer", Path(a.run_dir or run_params.run_dir), run_params.shared, run_params.stage("03_infer")
     )
     meta = run(cfg, shard=a.shard)
-    print(summary_table(meta).to_string(index=False))
+    from eagle_lib import infer_tables
+
+    print(infer_tables.summary_table(meta).to_string(index=False))
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def servers_table(meta: dict):
-    """03's per-server accounting (HTTP engines), one row a server."""
-    import pandas as pd
-
-    rows = [{**{k: v for k, v in r.items() if k != "failures"}, "failures": ", ".join(f"{k} {n}" for k, n in r["failures"].items()) or "-"}
-            for r in meta.get("servers") or []]  # fmt: skip
-    return pd.DataFrame(rows) if rows else pd.DataFrame([{"servers": "embedded engine: no servers"}])

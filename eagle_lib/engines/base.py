@@ -4,7 +4,7 @@
     engine.generate(requests)          -> Iterator[Result | Failure], in completion order, each request once
 
 Engines: `eagle_lib.engines.embedded.EmbeddedEngine` (the target in-process through transformers) and the HTTP
-engines in `eagle_lib.engines.http` (SGLang native `/generate`, OpenAI-compatible `/v1/completions` as served by
+engines in `eagle_lib.engines.http_apis` (SGLang native `/generate`, OpenAI-compatible `/v1/completions` as served by
 vLLM). Raw token ids are the record: no engine detokenizes and retokenizes. A finished output ends with its stop
 token when finish_reason is "stop"; "length" means max_new_tokens (or the context window) was reached.
 """

@@ -1,4 +1,5 @@
-"""HTTP engines for stage 03: SGLang native `/generate` and OpenAI-compatible `/v1/completions` (vLLM).
+"""HTTP engines for stage 03: the shared machinery (`HttpEngine`); SGLang native `/generate` and OpenAI-compatible
+`/v1/completions` (vLLM) are `eagle_lib.engines.http_apis`.
 
 Token ids go out (`input_ids` / `prompt` as an id list) and come back (`output_ids` / `choices[0].token_ids`
 with `return_token_ids`), so no text is ever re-tokenized. Many servers share one work queue, each with
@@ -101,7 +102,7 @@ def probe_ids(tokenizer) -> tuple[str, list[int]]:
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _excerpt(body: bytes | str, n: int = 300) -> str:
+def excerpt(body: bytes | str, n: int = 300) -> str:
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     return text[:n].replace("\n", " ")
 
@@ -179,10 +180,10 @@ class HttpEngine(abc.ABC):
                 if resp.status == 429 or resp.status >= 500:
                     kind = "http_429" if resp.status == 429 else "http_5xx"
                     raise Retryable(
-                        f"HTTP {resp.status} from {url}: {_excerpt(raw)}", _retry_after(resp), kind
+                        f"HTTP {resp.status} from {url}: {excerpt(raw)}", _retry_after(resp), kind
                     )
                 if resp.status >= 400:
-                    raise Rejected(f"http_{resp.status}", _excerpt(raw))
+                    raise Rejected(f"http_{resp.status}", excerpt(raw))
         except TimeoutError as e:
             raise Retryable(f"timeout ({type(e).__name__}) on {url}: {e}", kind="timeout") from None
         except aiohttp.ClientConnectorError as e:
@@ -194,7 +195,7 @@ class HttpEngine(abc.ABC):
         try:
             return json.loads(raw)
         except ValueError:
-            raise Rejected("malformed", f"reply is not JSON: {_excerpt(raw, 120)!r}") from None
+            raise Rejected("malformed", f"reply is not JSON: {excerpt(raw, 120)!r}") from None
 
     def check_ids(self, ids, finish: str) -> list[int]:
         """Validate output ids: a non-empty list of ints inside the vocabulary, no longer than asked."""
@@ -426,141 +427,3 @@ def _run_sync(coro):
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-class SGLangEngine(HttpEngine):
-    """SGLang native API: POST /generate {input_ids, sampling_params} -> {text, output_ids, meta_info}."""
-
-    name = "sglang"
-    path = "/generate"
-
-    def payload(self, req: Request) -> dict:
-        s = self.sampling
-        sp = {
-            "max_new_tokens": s.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "stop_token_ids": list(s.stop_token_ids),
-            "skip_special_tokens": False,
-        }
-        if self.send_seed and s.temperature > 0:
-            sp["sampling_seed"] = s.seed_for(req.id)
-        return {"input_ids": req.prompt_ids, "sampling_params": sp, "stream": False}
-
-    def parse(self, req: Request, data) -> tuple[list[int], str]:
-        if isinstance(data, list) and len(data) == 1:
-            data = data[0]
-        try:
-            ids, fr = data["output_ids"], data["meta_info"]["finish_reason"]
-        except (KeyError, TypeError):
-            raise Rejected(
-                "malformed", f"no output_ids / meta_info.finish_reason in {_excerpt(json.dumps(data))}"
-            ) from None
-        if not isinstance(fr, dict) or "type" not in fr:
-            raise Rejected("malformed", f"meta_info.finish_reason is not {{type: ...}}: {str(fr)[:120]}")
-        if fr["type"] == "abort":
-            raise Rejected("finish_abort", str(fr.get("message", fr))[:300])
-        matched = fr.get("matched")
-        if (
-            fr["type"] == "stop"
-            and isinstance(matched, int)
-            and isinstance(ids, list)
-            and ids[-1:] != [matched]
-        ):
-            ids = ids + [matched]  # a reply that trimmed the matched stop token: the record keeps it
-        return self.check_ids(ids, fr["type"]), fr["type"]
-
-    async def probe(self, session, url: str, tokenizer) -> dict:
-        await self.request_json(session, "GET", url + "/health")
-        info = await self.request_json(session, "GET", url + "/get_model_info")
-        served = str((info or {}).get("model_path", "?"))
-        text, local = probe_ids(tokenizer)
-        try:
-            reply = await self.request_json(
-                session, "POST", url + "/tokenize", {"prompt": text, "add_special_tokens": False}
-            )
-            self.compare_tokens(url, served, reply.get("tokens") if isinstance(reply, dict) else None, local)
-        except Rejected as e:
-            if e.reason != "http_404":
-                raise
-            await self._probe_by_generation(session, url, served, local)
-        return {"url": url, "model": served}
-
-    async def _probe_by_generation(self, session, url: str, served: str, local: list[int]) -> None:
-        """Servers without /tokenize: the highest target id must be accepted and replies stay in the vocabulary."""
-        body = {
-            "input_ids": local + [self.vocab_size - 1],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        }
-        try:
-            data = await self.request_json(session, "POST", url + self.path, body)
-            self.parse(Request("probe", body["input_ids"]), data)
-        except Rejected as e:
-            raise EngineError(f"{url}: serves {served!r}, which rejects target token ids ({e})") from None
-
-
-class OpenAIEngine(HttpEngine):
-    """OpenAI-compatible completions with token ids (vLLM): prompt = id list, return_token_ids = true."""
-
-    name = "openai"
-    path = "/v1/completions"
-
-    def payload(self, req: Request) -> dict:
-        s = self.sampling
-        body = {
-            "model": self.model,
-            "prompt": req.prompt_ids,
-            "max_tokens": s.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "stop_token_ids": list(s.stop_token_ids),
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "n": 1,
-            "stream": False,
-        }
-        if self.send_seed and s.temperature > 0:
-            body["seed"] = s.seed_for(req.id)
-        return body
-
-    def parse(self, req: Request, data) -> tuple[list[int], str]:
-        try:
-            choice = data["choices"][0]
-            ids, finish = choice["token_ids"], choice["finish_reason"]
-        except (KeyError, IndexError, TypeError):
-            raise Rejected(
-                "malformed", f"no choices[0].token_ids / finish_reason in {_excerpt(json.dumps(data))}"
-            ) from None
-        stop_reason = choice.get("stop_reason")
-        if (
-            finish == "stop"
-            and isinstance(stop_reason, int)
-            and isinstance(ids, list)
-            and ids[-1:] != [stop_reason]
-        ):
-            ids = ids + [stop_reason]  # the record keeps the stop token
-        return self.check_ids(ids, finish), finish
-
-    async def probe(self, session, url: str, tokenizer) -> dict:
-        try:
-            await self.request_json(session, "GET", url + "/health")
-        except Rejected as e:  # /health is vLLM's; other OpenAI-compatible servers may lack it
-            if e.reason != "http_404":
-                raise
-        models = await self.request_json(session, "GET", url + "/v1/models")
-        names = [m.get("id") for m in (models or {}).get("data", []) if isinstance(m, dict)]
-        if not names:
-            raise EngineError(f"{url}: /v1/models lists no model")
-        if self.model and self.model not in names:
-            raise EngineError(f"{url}: serves {names}, not the configured served_model {self.model!r}")
-        self.model = self.model or names[0]
-        text, local = probe_ids(tokenizer)
-        reply = await self.request_json(
-            session,
-            "POST",
-            url + "/tokenize",
-            {"model": self.model, "prompt": text, "add_special_tokens": False},
-        )
-        self.compare_tokens(url, self.model, reply.get("tokens") if isinstance(reply, dict) else None, local)
-        max_len = next((m.get("max_model_len") for m in models["data"] if m.get("id") == self.model), None)
-        return {"url": url, "model": self.model, "max_model_len": max_len}

@@ -16,7 +16,7 @@ import torch
 
 from eagle_lib import infer, models, params, store
 from eagle_lib.engines.base import EngineError, Sampling
-from eagle_lib.engines.http import OpenAIEngine
+from eagle_lib.engines.http_apis import OpenAIEngine
 from eagle_lib.engines.vllm_server import start_vllm, vllm_python
 from tests.support.tiny import SPECIALS, build_tokenizer, make_prompts
 

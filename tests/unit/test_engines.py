@@ -11,7 +11,7 @@ import torch
 
 from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine, _pick_tokens
-from eagle_lib.engines.http import OpenAIEngine, SGLangEngine
+from eagle_lib.engines.http_apis import OpenAIEngine, SGLangEngine
 from tests.support import models as tiny_models
 from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
 from tests.support.tiny import SPECIALS, build_tokenizer, build_world, make_prompts

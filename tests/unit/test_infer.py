@@ -14,10 +14,10 @@ import pytest
 import torch
 import yaml
 
-from eagle_lib import infer, params, store
+from eagle_lib import infer, infer_tables, params, store
 from eagle_lib.engines.base import Request, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine
-from eagle_lib.engines.http import SGLangEngine
+from eagle_lib.engines.http_apis import SGLangEngine
 from eagle_lib.pipeline import REPO_ROOT
 from tests.support import slow_append
 from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
@@ -89,7 +89,7 @@ def test_records_follow_the_contract(world, tmp_path):
     assert (meta["read"], meta["kept"]) == (19, 19) and store.read_json(run / "infer/meta.json")[
         "status"
     ] == "ok"
-    assert set(infer.summary_table(meta)["dataset"]) == {"a", "b", "TOTAL"}
+    assert set(infer_tables.summary_table(meta)["dataset"]) == {"a", "b", "TOTAL"}
 
 
 class CrashAfter:
@@ -360,7 +360,7 @@ def test_stage_runs_with_one_server_down_and_reports_each_server(world, tmp_path
         st[dead]["answered"] == 0 and st[dead]["seconds_out_of_rotation"] > 0 and not st[dead]["in_rotation"]
     )
     assert st[url]["answered"] == 4 and st[url]["failures"] == {}
-    assert infer.servers_table(meta).shape[0] == 2
+    assert infer_tables.servers_table(meta).shape[0] == 2
 
 
 def test_api_key_is_read_from_the_named_variable(world, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_lib.serving import export, live, online, preflight
+from eagle_lib.serving import commands, export, live, online, preflight
 from tests.support import models as tiny
 
 V = tiny.EXPORT_VOCAB
@@ -67,7 +67,7 @@ def test_commands_for_keyed_multimodal_mla_servers_run_in_a_shell(exports):
     expands the key from the variable (the key never appears in the command)."""
     import subprocess
 
-    cmds = preflight.launch_commands("/t", "/d", "sglang", api_key_env="EAGLE_TEST_KEY", multimodal=True,
+    cmds = commands.launch_commands("/t", "/d", "sglang", api_key_env="EAGLE_TEST_KEY", multimodal=True,
                                      cpu=True, mla=True, revision="abc123")  # fmt: skip
     env = {"EAGLE_TEST_KEY": "s3cret", "PATH": "/usr/bin:/bin"}
     for name, cmd in cmds.items():
@@ -86,7 +86,7 @@ def test_commands_for_keyed_multimodal_mla_servers_run_in_a_shell(exports):
         "all",
         "-rotary_embedding",
     ]
-    gpu = shlex.split(preflight.launch_commands("/t", "/d", "speculators", multimodal=True)["vllm"])
+    gpu = shlex.split(commands.launch_commands("/t", "/d", "speculators", multimodal=True)["vllm"])
     assert gpu[:3] == ["vllm", "serve", "/t"] and "--compilation-config" not in gpu and "--api-key" not in gpu
 
 
