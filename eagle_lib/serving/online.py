@@ -8,10 +8,16 @@
 
 Requests use the same sampling as the offline run (temperature, top_p, top_k; temperature 0 = greedy). Sampled
 requests carry a per-prompt seed so a rerun sends the same requests.
+
+Faults (as 03's HTTP engines count them): a refused or reset connection, a timeout, HTTP 429 or 5xx are retried
+with exponential backoff (`RETRIES`); a prompt that still fails is left out of its dataset's tau and listed
+(``failed``: id and error) instead of aborting 06. A wrong key (401), another 4xx or a reply without usage
+counts is the server's configuration, the same for every prompt: 06 stops with that error.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,9 +67,43 @@ def vllm_spec_counters(metrics_text: str) -> dict:
     return out
 
 
+RETRIES, BACKOFF_S, BACKOFF_MAX_S = 4, 1.0, 30.0  # per request: transient faults only
+
+
+def transient(e: client.ServerError) -> bool:
+    """A fault of the moment (retry): no connection, no answer in time, 429, 5xx."""
+    return e.status is None or e.status == 429 or e.status >= 500
+
+
 def _map(fn, items, concurrency: int) -> list:
+    """fn over items in parallel; an item whose transient faults outlast RETRIES gives a ServerError instead of
+    its value (any other error propagates)."""
+
+    def robust(item):
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn(item)
+            except client.ServerError as e:
+                if not transient(e) or attempt == RETRIES:
+                    if transient(e):
+                        return e
+                    raise
+                time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable")
+
     with ThreadPoolExecutor(max(1, concurrency)) as ex:
-        return list(ex.map(fn, items))
+        return list(ex.map(robust, items))
+
+
+def _split(ps: list[Prompt], results: list) -> tuple[list, list, list[dict]]:
+    """(prompts answered, their results, [{id, error}] of those that failed)."""
+    ok = [(pr, r) for pr, r in zip(ps, results, strict=True) if not isinstance(r, client.ServerError)]
+    failed = [
+        {"id": pr.id, "error": str(r)}
+        for pr, r in zip(ps, results, strict=True)
+        if isinstance(r, client.ServerError)
+    ]
+    return [pr for pr, _ in ok], [r for _, r in ok], failed
 
 
 def _seed(pr: Prompt, seed: int) -> int:
@@ -156,10 +196,11 @@ def online_vllm(
     out = {}
     for ds, ps in prompts.items():
         before = metrics_counters(base_url, headers)
-        answers = _map(one, ps, concurrency)
+        done, answers, failed = _split(ps, _map(one, ps, concurrency))
         after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
         res = counter_delta(before, after, num_steps)
-        out[ds] = {**res, "outputs": {pr.id: ids for pr, (ids, _) in zip(ps, answers, strict=True)}}
+        outputs = {pr.id: ids for pr, (ids, _) in zip(done, answers, strict=True)}
+        out[ds] = {**res, "outputs": outputs, "failed": failed}
     return out
 
 
@@ -198,11 +239,17 @@ def online_sglang(
 
     out = {}
     for ds, ps in prompts.items():
-        res = _map(one, ps, concurrency)
+        done, res, failed = _split(ps, _map(one, ps, concurrency))
         tokens, verify = sum(r["tokens"] for r in res), sum(r["verify"] for r in res)
-        ids = {pr.id: r["ids"] for pr, r in zip(ps, res, strict=True)}
+        ids = {pr.id: r["ids"] for pr, r in zip(done, res, strict=True)}
         tau = tokens / verify if verify else float("nan")
-        out[ds] = {"tau": tau, "completion_tokens": tokens, "spec_verify_ct": verify, "outputs": ids}
+        out[ds] = {
+            "tau": tau,
+            "completion_tokens": tokens,
+            "spec_verify_ct": verify,
+            "outputs": ids,
+            "failed": failed,
+        }
     return out
 
 
@@ -313,9 +360,14 @@ def compare(
             off_tau = float(off[ds]) if ds in getattr(off, "index", []) else None
             diag = diagnose(off_tau, t, tol)
             eq = sum(same[ds]) / len(same[ds]) if same[ds] and temp == 0 else float("nan")
+            n_failed = (
+                len(per[ds].get("failed", []))
+                if ds in per
+                else sum(len(o.get("failed", [])) for o in per.values())
+            )
             rows.append(dict(temperature=temp, dataset=ds, engine=engine, online_tau=t, offline=off_tau,
-                             greedy_equal=eq, verdict=diag["verdict"], message=diag["message"],
-                             causes=diag["causes"]))  # fmt: skip
+                             greedy_equal=eq, failed_requests=n_failed, verdict=diag["verdict"],
+                             message=diag["message"], causes=diag["causes"]))  # fmt: skip
     return pd.DataFrame(rows)
 
 

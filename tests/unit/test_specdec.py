@@ -9,6 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from hypothesis import given, settings
@@ -473,6 +474,7 @@ class StandIn(BaseHTTPRequestHandler):
     published: dict = {}  # what /metrics shows: vLLM records a step's stats after it has sent the step's outputs
     lag_reads = 0  # /metrics reads that still show the counters from before the last request
     key = ""  # the API key the stand-in requires ("" = none)
+    fail: dict = {}  # first prompt id -> HTTP statuses to answer, one per request, before answering normally
 
     def log_message(self, *a):
         pass
@@ -521,6 +523,12 @@ class StandIn(BaseHTTPRequestHandler):
             return
         ids = body.get("prompt") or body.get("input_ids")
         ids = [ord(c) for c in ids] if isinstance(ids, str) else ids  # a text prompt (the live probe's)
+        plan = StandIn.fail.get(ids[0], [])
+        if plan:
+            self.send_response(plan.pop(0))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         out = [(t + 1) % 50 for t in ids[-4:]]  # deterministic "greedy" output
         StandIn.bodies.append(body)
         if self.path == "/v1/completions":
@@ -544,7 +552,7 @@ class StandIn(BaseHTTPRequestHandler):
 def server():
     StandIn.counters, StandIn.published = {"drafts": 0, "accepted": 0, "generated": 0}, {}
     StandIn.sglang_meta, StandIn.bodies, StandIn.lag, StandIn.lag_reads, StandIn.usage = True, [], 0, 0, True
-    StandIn.key = ""
+    StandIn.key, StandIn.fail = "", {}
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -629,6 +637,27 @@ def test_online_requests_stop_where_offline_decoding_stops(server):
     vl, sg = StandIn.bodies[:4], StandIn.bodies[4:]
     assert len(sg) == 4 and all(b["stop_token_ids"] == [7, 9] for b in vl)
     assert all(b["sampling_params"]["stop_token_ids"] == [7, 9] for b in sg)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_online_retries_transient_faults_and_keeps_partial_results(server, engine, monkeypatch):
+    """A 503 twice is retried to an answer; a prompt whose server keeps failing is listed as failed and left
+    out of tau, and 06 goes on (it used to abort on the first failed request); a 401 still stops it."""
+    from eagle_lib import acceptance
+    from eagle_lib.engines import client
+
+    monkeypatch.setattr(online, "BACKOFF_S", 0.01)
+    StandIn.fail = {0: [503, 503], 1: [500] * (online.RETRIES + 1)}  # prompts x0 and x1 (first ids 0 and 1)
+    p = acceptance.Params(online_engine=engine, online_url=server, temperatures=[0.0])
+    raw = online.measure(p, 0, server, "", ONLINE_PROMPTS)[0.0]
+    assert sorted(raw["x"]["outputs"]) == ["x0", "x2"] and raw["y"]["failed"] == []
+    assert [f["id"] for f in raw["x"]["failed"]] == ["x1"] and "HTTP 500" in raw["x"]["failed"][0]["error"]
+    assert raw["x"]["tau"] > 1  # from the answered ones
+    table = online.compare({0.0: raw}, pd.DataFrame(), [], engine, 0.2, [])
+    assert table.set_index("dataset").loc["x", "failed_requests"] == 1
+    StandIn.fail = {0: [401]}
+    with pytest.raises(client.ServerError, match="401"):
+        online.measure(p, 0, server, "", ONLINE_PROMPTS)
 
 
 def test_runner_features_are_layer_outputs_before_the_final_norm(target):
