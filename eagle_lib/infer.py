@@ -23,6 +23,7 @@ import random
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -190,23 +191,40 @@ def pending_order(pending: list[dict], seed: int, name: str, shuffle: bool = Tru
 
 def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: Params, name: str,
                      identity: dict | None = None) -> dict:  # fmt: skip
-    """Run the engine over the pending prompts, committing responses and errors; returns run counters."""
-    ledger = Ledger(out_dir / LEDGER, p.ledger_seconds)
-    responses, errors = (
-        Writer(out_dir / "responses.jsonl", p.write_every, before=ledger.flush),
-        Writer(out_dir / "errors.jsonl", 1, before=ledger.flush),
-    )
-    by_id = {r["id"]: r for r in pending}
+    """Run the engine over one dataset's pending prompts, committing responses and errors; returns run counters."""
+    return generate_many(engine, {name: (pending, out_dir)}, tokenizer, p, identity)[name]
+
+
+def generate_many(engine, jobs: dict[str, tuple[list[dict], Path]], tokenizer, p: Params,
+                  identity: dict | None = None) -> dict[str, dict]:  # fmt: skip
+    """One engine run over the pending prompts of several datasets (name -> (pending, out dir)), in the order
+    given (their ids are unique: each starts with its dataset's name), each answer committed to its own dataset's
+    responses, errors and ledger; returns each dataset's counters (``generate_seconds``: the shared run's)."""
+    ledgers = {n: Ledger(d / LEDGER, p.ledger_seconds) for n, (_, d) in jobs.items()}
+    writers = {n: (Writer(d / "responses.jsonl", p.write_every, before=ledgers[n].flush),
+                   Writer(d / "errors.jsonl", 1, before=ledgers[n].flush)) for n, (_, d) in jobs.items()}  # fmt: skip
+    owner = {r["id"]: n for n, (pend, _) in jobs.items() for r in pend}
+    by_id = {r["id"]: r for pend, _ in jobs.values() for r in pend}
+    order = _interleaved(jobs)
     sampling, stop = engine.sampling.record(), list(engine.sampling.stop_token_ids)
-    stats = {"generated": 0, "errors": 0, "generated_tokens": 0, "retries": 0}
+    stats = {n: {"generated": 0, "errors": 0, "generated_tokens": 0, "retries": 0} for n in jobs}
     t0 = time.monotonic()
-    bar = _progress(p.progress, len(pending), name)
-    engine.on_start, engine.on_progress = ledger.started, ledger.progress
-    ledger.start()
+    bar = _progress(p.progress, len(order), ", ".join(jobs) if len(jobs) <= 3 else f"{len(jobs)} datasets")
+
+    def progress(counts: list[tuple[str, int]]) -> None:
+        for n in jobs:
+            if mine := [(i, c) for i, c in counts if owner.get(i) == n]:
+                ledgers[n].progress(mine)
+
+    engine.on_start = lambda i, server="": ledgers[owner[i]].started(i, server)
+    engine.on_progress = progress
+    for lg in ledgers.values():
+        lg.start()
     try:
-        for item in engine.generate([Request(r["id"], r["prompt_ids"]) for r in pending]):
-            src = by_id[item.id]
-            stats["retries"] += item.retries
+        for item in engine.generate([Request(r["id"], r["prompt_ids"]) for r in order]):
+            src, name = by_id[item.id], owner[item.id]
+            st, (responses, errors) = stats[name], writers[name]
+            st["retries"] += item.retries
             if isinstance(item, Result):
                 responses.add({
                     "id": item.id, "source": src.get("source", name), "prompt_ids": src["prompt_ids"],
@@ -217,33 +235,66 @@ def generate_pending(engine, pending: list[dict], tokenizer, out_dir: Path, p: P
                     "latency_s": round(item.latency_s, 4), "finished_at": round(time.time(), 3),
                     **src.get("extra", {}),
                 })  # fmt: skip
-                stats["generated"] += 1
-                stats["generated_tokens"] += len(item.output_ids)
+                st["generated"] += 1
+                st["generated_tokens"] += len(item.output_ids)
             else:
                 assert isinstance(item, Failure)
                 errors.add({
                     "id": item.id, "source": src.get("source", name), "reason": item.reason, "detail": item.detail,
                     "server": item.server, "retries": item.retries, "engine": engine.name, "time": time.time(),
                 })  # fmt: skip
-                stats["errors"] += 1
+                st["errors"] += 1
             bar.update(1)
-            bar.set_postfix_str(
-                f"{stats['generated_tokens'] / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False
-            )
+            done = sum(x["generated_tokens"] for x in stats.values())
+            bar.set_postfix_str(f"{done / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False)
     finally:
-        ledger.close()
+        for lg in ledgers.values():
+            lg.close()
         engine.on_start = engine.on_progress = None
-        responses.flush()
-        errors.flush()
+        for responses, errors in writers.values():
+            responses.flush()
+            errors.flush()
         bar.close()
-    stats["generate_seconds"] = round(time.monotonic() - t0, 3)
-    stats["tokens_per_s"] = round(stats["generated_tokens"] / max(stats["generate_seconds"], 1e-9), 2)
+    wall = round(time.monotonic() - t0, 3)
+    for st in stats.values():
+        st["generate_seconds"] = wall
+        st["tokens_per_s"] = round(st["generated_tokens"] / max(wall, 1e-9), 2)
     return stats
 
 
-def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tuple[int, int] | None,
-                identity: dict | None = None) -> dict:  # fmt: skip
-    """Regenerate one dataset's missing responses; returns its meta (also written to meta.json)."""
+def _interleaved(jobs: dict[str, tuple[list[dict], Path]]) -> list[dict]:
+    """The pending prompts of every job in one list: each job's own order kept, the jobs merged at random (seeded
+    by their ids), so that any prefix (a snapshot mid-run) is a random sample of the whole plan, every dataset
+    in proportion to its pending prompts."""
+    queues = {n: list(pend) for n, (pend, _) in jobs.items() if pend}
+    rng = random.Random(store.stable_hash(sorted((n, len(q)) for n, q in queues.items())))
+    slots = [n for n, q in queues.items() for _ in q]
+    rng.shuffle(slots)
+    return [queues[n].pop(0) for n in slots]
+
+
+@dataclass
+class DatasetPlan:
+    """One single-turn dataset's part of a 03 run: what is selected, resumed and still pending."""
+
+    name: str
+    started: float
+    src: Path
+    ds_dir: Path
+    out_dir: Path
+    selected: list[dict]
+    pending: list[dict]
+    resume: Resume
+    resumed: int
+    merged: int
+    dups: int
+    moved: int
+
+
+def plan_dataset(
+    cfg: params.StageConfig, name: str, engine, shard: tuple[int, int] | None, identity: dict | None
+):
+    """A single-turn dataset's `DatasetPlan`, or None for an each_turn one (`run_multiturn`)."""
     started = time.time()
     p = cfg.stage
     src = cfg.out("data", "B", name, "prompts.jsonl")
@@ -251,7 +302,7 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
     out_dir = ds_dir / "shards" / f"{shard[0]}-of-{shard[1]}" if shard else ds_dir
     everything = load_prompts(src)
     if any("followups" in r for r in everything):  # 02 turn: each_turn
-        return run_multiturn(cfg, name, engine, tokenizer, shard, identity, everything, started)
+        return None
     prompts = {r["id"]: r for r in everything}
     selected = [
         r for r in everything[: p.limit or None] if shard is None or shard_of(r["id"], shard[1]) == shard[0]
@@ -268,9 +319,17 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
     ]
     pending = pending_order(pending, cfg.shared.seed, name, p.shuffle)
     resumed = sum(r["id"] in done for r in selected)
-    stats = generate_pending(engine, pending, tokenizer, out_dir, p, name, identity)
-    done, dups, _ = resume.load()
-    errs = error_ids(ds_dir)
+    return DatasetPlan(
+        name, started, src, ds_dir, out_dir, selected, pending, resume, resumed, merged, dups, moved
+    )
+
+
+def finish_dataset(cfg: params.StageConfig, plan: DatasetPlan, stats: dict, engine, identity, shard) -> dict:
+    """Count what the run left in a dataset's files; its meta (also written to meta.json)."""
+    p, name = cfg.stage, plan.name
+    done, dups, _ = plan.resume.load()
+    errs = error_ids(plan.ds_dir)
+    selected = plan.selected
     kept = [done[r["id"]] for r in selected if r["id"] in done]
     rejected = [errs[r["id"]] for r in selected if r["id"] not in done and r["id"] in errs]
     if len(kept) + len(rejected) != len(selected):
@@ -283,12 +342,51 @@ def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tu
         "errors_by_reason": dict(Counter(e["reason"] for e in rejected)),
         "finish_reason": dict(Counter(k["finish_reason"] for k in kept)),
         "output_tokens": sum(n_out), "mean_output_tokens": round(sum(n_out) / max(len(n_out), 1), 2),
-        "max_output_tokens": max(n_out, default=0), "resumed": resumed, "merged_from_shards": merged,
-        "duplicates_ignored": dups, "set_aside": moved, **stats, "engine": engine.name, "target": identity, "sampling": engine.sampling.record(),
+        "max_output_tokens": max(n_out, default=0), "resumed": plan.resumed, "merged_from_shards": plan.merged,
+        "duplicates_ignored": dups, "set_aside": plan.moved, **stats, "engine": engine.name, "target": identity, "sampling": engine.sampling.record(),
         "stop_token_ids": list(engine.sampling.stop_token_ids), "shard": f"{shard[0]}/{shard[1]}" if shard else None,
-        "input": {"path": str(src), "sha256": file_sha256(src)}, "params": p.model_dump(mode="json"),
+        "input": {"path": str(plan.src), "sha256": file_sha256(plan.src)}, "params": p.model_dump(mode="json"),
     }  # fmt: skip
-    return store.write_meta(out_dir, meta, started, tally=True)
+    return store.write_meta(plan.out_dir, meta, plan.started, tally=True)
+
+
+def run_dataset(cfg: params.StageConfig, name: str, engine, tokenizer, shard: tuple[int, int] | None,
+                identity: dict | None = None) -> dict:  # fmt: skip
+    """Regenerate one dataset's missing responses; returns its meta (also written to meta.json)."""
+    plan = plan_dataset(cfg, name, engine, shard, identity)
+    if plan is None:
+        everything = load_prompts(cfg.out("data", "B", name, "prompts.jsonl"))
+        return run_multiturn(cfg, name, engine, tokenizer, shard, identity, everything, time.time())
+    stats = generate_pending(engine, plan.pending, tokenizer, plan.out_dir, cfg.stage, name, identity)
+    return finish_dataset(cfg, plan, stats, engine, identity, shard)
+
+
+def run_datasets(
+    cfg: params.StageConfig, names: list[str], engine, tokenizer, shard, identity
+) -> tuple[dict, float]:
+    """Every dataset of the stage: the single-turn ones' pending prompts in one interleaved run (a snapshot at any
+    moment samples all of them), then the each_turn ones (turn by turn, one dataset at a time); (metas, the
+    seconds spent generating)."""
+    plans = {n: plan_dataset(cfg, n, engine, shard, identity) for n in names}
+    single = {n: pl for n, pl in plans.items() if pl is not None}
+    t0 = time.monotonic()
+    jobs = {n: (pl.pending, pl.out_dir) for n, pl in single.items()}
+    ids = [r["id"] for pend, _ in jobs.values() for r in pend]
+    if len(set(ids)) == len(ids):  # 02's ids start with the dataset's name: one interleaved run
+        stats = generate_many(engine, jobs, tokenizer, cfg.stage, identity)
+    else:  # ids shared between datasets (hand-made prompt files): one run per dataset
+        stats = {
+            n: generate_many(engine, {n: job}, tokenizer, cfg.stage, identity)[n] for n, job in jobs.items()
+        }
+    seconds = time.monotonic() - t0
+    metas = {}
+    for n in names:
+        if plans[n] is not None:
+            metas[n] = finish_dataset(cfg, plans[n], stats[n], engine, identity, shard)
+        else:
+            metas[n] = run_dataset(cfg, n, engine, tokenizer, shard, identity)
+            seconds += metas[n]["generate_seconds"]
+    return metas, seconds
 
 
 def run_multiturn(cfg: params.StageConfig, name: str, engine, tokenizer, shard, identity, everything: list[dict],
@@ -330,9 +428,9 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
     except EngineError as e:
         raise InferError(f"03_infer: {e}") from None
     identity = target_identity(engine, cfg.shared, probe)
-    metas = {n: run_dataset(cfg, n, engine, tokenizer, where, identity) for n in names}
-    keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens", "generate_seconds")
-    total = {k: sum(m[k] for m in metas.values()) for k in keys}
+    metas, seconds = run_datasets(cfg, names, engine, tokenizer, where, identity)
+    keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens")
+    total = {k: sum(m[k] for m in metas.values()) for k in keys} | {"generate_seconds": round(seconds, 3)}
     meta = total | {
         "dropped": {}, "datasets": metas, "probe": probe, "shard": shard or None, "target": identity,
         "servers": engine.server_stats() if hasattr(engine, "server_stats") else [],

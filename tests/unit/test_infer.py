@@ -363,6 +363,25 @@ def test_stage_runs_with_one_server_down_and_reports_each_server(world, tmp_path
     assert infer_tables.servers_table(meta).shape[0] == 2
 
 
+def test_datasets_are_interleaved_so_any_snapshot_samples_all_of_them(world, tmp_path):
+    """03 takes the pending prompts of every dataset in one seeded random order (it ran them one dataset after
+    another, so a run killed at 40% had not started most datasets and 04 saw a zero-width interval): the first
+    40% of the requests started reach every dataset, in about its share; files and counts stay per dataset."""
+    d, tok = world
+    run = tmp_path / "run"
+    sizes = {"a": 12, "b": 6, "c": 6}
+    for name, n in sizes.items():  # ids as 02 writes them: <dataset>:<row id>
+        ps = [p | {"id": f"{name}:{p['id']}", "source": "tiny"} for p in make_prompts(tok, n, seed=n)]
+        store.append_jsonl(run / "data" / "B" / name / "prompts.jsonl", ps)
+    with ServerThread(StandIn(str(d))) as url:
+        meta = infer.run(config(run, d, engine="sglang", server_urls=[url], concurrency=1, timeout_s=20.0))
+    starts = sorted((r["t"], n) for n in sizes for r in store.read_jsonl(run / "infer" / n / "started.jsonl"))
+    first = Counter(n for _, n in starts[: int(0.4 * len(starts))])
+    assert set(first) == set(sizes), first  # every dataset started within the first 40%
+    assert all(meta["datasets"][n]["kept"] == k for n, k in sizes.items())
+    assert all(r["id"].startswith(f"{n}:") for n in sizes for r in records(run, n))  # each in its own file
+
+
 def test_api_key_is_read_from_the_named_variable(world, tmp_path, monkeypatch):
     d, tok = world
     monkeypatch.delenv("EAGLE_TEST_KEY", raising=False)
