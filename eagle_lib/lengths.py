@@ -172,9 +172,11 @@ class LengthReport:
             "datasets": len(c),
             "samples": int(c.n.sum()),
             **{f"{k}_tokens": int(tok[f"{k}_tokens"].sum()) for k in ("prompt", "completion", "trainable")},
-            "projected_trainable_tokens": proj["projected"],
+            # with unprojected datasets the projection is a lower bound: no point, no upper end
+            "projected_is_lower_bound": bool(self.corpus["unprojected"]),
+            "projected_trainable_tokens": None if self.corpus["unprojected"] else proj["projected"],
             "projected_trainable_lo": proj["lo"],
-            "projected_trainable_hi": proj["hi"],
+            "projected_trainable_hi": None if self.corpus["unprojected"] else proj["hi"],
             "unprojected_datasets": self.corpus["unprojected"],
             "max_share_at_limit": float(c.share_at_limit.max()),
             "warnings": int((self.verdicts.level == "warn").sum()),

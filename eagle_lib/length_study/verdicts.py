@@ -299,8 +299,14 @@ def answer(report) -> str:
     measured = int(report.tokens.trainable_tokens.sum())
     proj = report.projection[report.projection.tokens == "completion"]
     running = proj[proj.status != "complete"]
-    if running.empty:
+    unprojected = report.corpus.get("unprojected") or []
+    if running.empty and not unprojected:
         head = f"{measured:,} trainable tokens measured"
+    elif unprojected:  # never an interval narrower than what is known: these datasets are not in it
+        head = (f"run in progress ({len(running)} dataset(s)): {measured:,} trainable tokens measured; the final "
+                f"total is at least {corpus['lo']:,.0f}, a lower bound only: {len(unprojected)} dataset(s) have too "
+                f"few finished samples to project ({', '.join(unprojected)}), "
+                f"{int(running.in_flight.sum()):,} responses in flight")  # fmt: skip
     else:
         head = (f"run in progress ({len(running)} dataset(s)): {measured:,} trainable tokens measured, "
                 f"{corpus['projected']:,.0f} projected (95% interval {corpus['lo']:,.0f}-{corpus['hi']:,.0f}), "

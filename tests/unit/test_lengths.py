@@ -397,6 +397,17 @@ def test_too_few_samples_are_flagged_not_projected(tmp_path):
     measured = res.projection.query("tokens == 'completion'").measured.sum()
     assert res.corpus["completion"]["projected"] == measured  # a lower bound: only what was measured
     assert "too_few_to_project" in set(res.verdicts.check)
+    # the headline says so in words and states no point and no upper end (it used to print a zero-width interval)
+    h = res.headline
+    assert (
+        h["projected_is_lower_bound"]
+        and h["projected_trainable_tokens"] is None
+        and h["projected_trainable_hi"] is None
+    )
+    from eagle_lib.length_study import verdicts
+
+    text = verdicts.answer(res)
+    assert "at least" in text and "lower bound" in text and "95% interval" not in text and "B/think" in text
 
 
 # ---------------------------------------------------------------- parameters and sources
