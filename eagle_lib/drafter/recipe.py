@@ -77,6 +77,9 @@ class Params(params.Strict):
     target_temperature: float = (
         1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
     )
+    loss: Literal["soft_ce", "forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid"] = (
+        "soft_ce"  # per-position loss, target p vs draft q (eagle_lib.drafter.ttt.per_position_loss)
+    )
     # normalisation options of later EAGLE-3 trainers (speculators' names): ours only, not servable (no exports)
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of the raw hidden
     norm_before_fc: bool = False  # an RMSNorm (extra weight input_norm) on the 3H_t features before fc

@@ -131,7 +131,9 @@ class Trainer:
                 for s in range(steps)
                 for m in recipe.micro_batches(s, 0, 1, p.grad_accum)
             )
-        model = ttt.TTT(drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature)
+        model = ttt.TTT(
+            drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss
+        )
         opts = optim.build(
             model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay
         )

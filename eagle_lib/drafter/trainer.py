@@ -203,7 +203,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     world = distributed.world()[1]
     total = recipe.total_steps(p, stream.per_epoch, world)
     attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
-    model = distributed.wrap(ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature), p.distributed,
+    model = distributed.wrap(ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss), p.distributed,
                              device, use_autocast(p, device))  # fmt: skip
     opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
     scheds = recipe.schedules(opts, p, total)

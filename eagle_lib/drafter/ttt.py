@@ -13,9 +13,11 @@ Step ``i`` (0-based) at row index ``t`` simulates draft step ``i`` after a prefi
   draft vocab and renormalized; label position ``t+2+i`` must have ``loss_mask`` set and lie in the same
   sequence.
 
-Loss = sum_i decay^i * mean soft cross-entropy over label positions whose target argmax is in the draft
-vocab; the soft target is ``softmax(target_logits / target_temperature)`` over the draft vocab (1.0: the
-target's own distribution; below 1 sharper, towards the argmax that greedy verification accepts). ``acc_i`` counts every label position (an argmax outside the draft vocab is a miss, as it is at
+Loss = sum_i decay^i * mean per-position loss over label positions whose target argmax is in the draft
+vocab, between the target p = ``softmax(target_logits / target_temperature)`` over the draft vocab (1.0: the
+target's own distribution; below 1 sharper, towards the argmax that greedy verification accepts) and the draft
+q (`LOSSES`, the ``loss`` param; the names and formulas follow speculators' loss options, docs.vllm.ai/projects/
+speculators "Loss Functions", with alpha = sum_v min(p_v, q_v), the acceptance rate of speculative sampling). ``acc_i`` counts every label position (an argmax outside the draft vocab is a miss, as it is at
 serving time); ``cond_acc_i`` is acc given steps ``< i`` were right at the same row.
 """
 
@@ -47,6 +49,33 @@ def resolve_preset(preset: str, steps: int, decay: float) -> tuple[int, float]:
     if k < 1 or d <= 0:
         raise ValueError(f"TTT needs steps >= 1 and decay > 0 (got {k}, {d}); set ttt_steps and loss_decay")
     return k, d
+
+
+def per_position_loss(logp: torch.Tensor, logq: torch.Tensor, kind: str) -> torch.Tensor:
+    """(n,) loss between target log-probs `logp` and draft log-probs `logq` (n, N), one of `LOSSES`."""
+    p, q = logp.exp(), logq.exp()
+    if kind == "soft_ce":  # -sum p log q (forward KL + H(p): the same gradient)
+        return -(p * logq).sum(-1)
+    kl = (p * (logp - logq)).sum(-1)
+    if kind == "forward_kl":
+        return kl
+    if kind == "reverse_kl":
+        return (q * (logq - logp)).sum(-1)
+    if kind == "jsd":  # 0.5 KL(p||m) + 0.5 KL(q||m), m = (p + q) / 2
+        logm = torch.logaddexp(logp, logq) - torch.log(torch.tensor(2.0, dtype=logp.dtype))
+        return 0.5 * (p * (logp - logm)).sum(-1) + 0.5 * (q * (logq - logm)).sum(-1)
+    alpha = torch.minimum(p, q).sum(-1)
+    if kind == "tv":  # 1 - alpha = 0.5 sum |p - q|
+        return 1 - alpha
+    if kind == "nla":  # -log(alpha): TV's optimum, a 1/alpha stronger gradient from a cold start
+        return -alpha.clamp(min=1e-12).log()
+    if kind == "lk_hybrid":  # lambda KL + (1 - lambda) TV, lambda = exp(-3 alpha) (not differentiated)
+        lam = torch.exp(-3 * alpha).detach()
+        return lam * kl + (1 - lam) * (1 - alpha)
+    raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
+
+
+LOSSES = ("soft_ce", "forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid")
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +137,7 @@ class TTT(nn.Module):
         attention: str = "eager",
         feed: str = "label",
         target_temperature: float = 1.0,
+        loss: str = "soft_ce",
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -116,7 +146,9 @@ class TTT(nn.Module):
             raise ValueError(f"ttt_input {feed!r}: choose one of {list(FEEDS)}")
         if target_temperature <= 0:
             raise ValueError(f"target_temperature must be > 0 (got {target_temperature})")
-        self.drafter, self.steps, self.decay, self.feed = drafter, steps, decay, feed
+        if loss not in LOSSES:
+            raise ValueError(f"loss {loss!r}: choose one of {LOSSES}")
+        self.drafter, self.steps, self.decay, self.feed, self.loss = drafter, steps, decay, feed, loss
         self.temperature = target_temperature
         self.attention = ATTENTION[attention]
         # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
@@ -157,7 +189,7 @@ class TTT(nn.Module):
             tgt_logp = t_logp[:, 1 + i :][at]  # (n, N), no shifted copy of (B, T, N)
             tgt_arg = t_arg[:, 1 + i :][at]
             in_vocab = t_in[:, 1 + i :][at]
-            ce = -(tgt_logp.exp() * logits.log_softmax(-1)).sum(-1)  # (n,)
+            ce = per_position_loss(tgt_logp, logits.log_softmax(-1), self.loss)  # (n,)
             loss_sum = (ce * in_vocab).sum()
             n_loss = in_vocab.sum()
             total = total + self.decay**i * loss_sum / n_loss.clamp(min=1)

@@ -411,3 +411,42 @@ def test_torn_lines_are_counted_named_and_fail_above_the_threshold(tmp_path):
     store.append_jsonl(path, recs[:1])
     with pytest.raises(ValueError, match=rf"2 of 153 record lines are torn writes .*{path}:61, {path}:152"):
         batches.load_sequences(tmp_path, 0.0, 100)
+
+
+# p = [0.5, 0.5] (target), q = [0.25, 0.75] (draft); alpha = sum min(p, q) = 0.75. Each value by hand:
+# soft CE  -(0.5 ln 0.25 + 0.5 ln 0.75)                         = 0.836988
+# KL(p||q) 0.5 ln 2 + 0.5 ln(2/3)                                = 0.143841
+# KL(q||p) 0.25 ln 0.5 + 0.75 ln 1.5                             = 0.130812
+# JSD      m = [0.375, 0.625]: 0.5 (0.032269) + 0.5 (0.035375)   = 0.033822
+# TV       1 - 0.75                                              = 0.25
+# NLA      -ln 0.75                                              = 0.287682
+# LK       lam = e^-2.25 = 0.105399: lam 0.143841 + (1 - lam) 0.25 = 0.238811
+LOSS_BY_HAND = {"soft_ce": 0.836988, "forward_kl": 0.143841, "reverse_kl": 0.130812, "jsd": 0.033822,
+                "tv": 0.25, "nla": 0.287682, "lk_hybrid": 0.238811}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(LOSS_BY_HAND))
+def test_each_loss_option_equals_its_hand_computed_value(kind):
+    p, q = torch.tensor([[0.5, 0.5]], dtype=torch.float64), torch.tensor([[0.25, 0.75]], dtype=torch.float64)
+    got = ttt.per_position_loss(p.log(), q.log(), kind)
+    assert float(got) == pytest.approx(LOSS_BY_HAND[kind], abs=1e-6)
+    assert set(LOSS_BY_HAND) == set(ttt.LOSSES)  # every option has its hand value
+
+
+def test_losses_vanish_where_the_draft_is_the_target_and_lk_leaves_lambda_undifferentiated():
+    """At q = p every divergence is 0 (CE is the entropy) and the gradient of the LK loss is
+    lam dKL + (1 - lam) dTV with lam held fixed (speculators' adaptive blend)."""
+    logp = torch.tensor([[0.1, -0.4, 0.3]], dtype=torch.float64).log_softmax(-1)
+    for kind in ("forward_kl", "reverse_kl", "jsd", "tv"):
+        assert float(ttt.per_position_loss(logp, logp, kind)) == pytest.approx(0.0, abs=1e-12)
+    z = torch.tensor([[0.7, -0.2, 0.1]], dtype=torch.float64, requires_grad=True)
+    ttt.per_position_loss(logp, z.log_softmax(-1), "lk_hybrid").sum().backward()
+    g_lk = z.grad.clone()
+    alpha = torch.minimum(logp.exp(), z.detach().softmax(-1)).sum()
+    lam = float(torch.exp(-3 * alpha))
+    z.grad = None
+    (lam * ttt.per_position_loss(logp, z.log_softmax(-1), "forward_kl")
+     + (1 - lam) * ttt.per_position_loss(logp, z.log_softmax(-1), "tv")).sum().backward()  # fmt: skip
+    torch.testing.assert_close(g_lk, z.grad)
+    with pytest.raises(ValueError, match="choose one of"):
+        ttt.TTT(torch.nn.Linear(1, 1), 1, 1.0, loss="hinge")
