@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env sglang-env bench-env run test test-unit toy lint lab
+.PHONY: env vllm-env sglang-env router-env bench-env run test test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ vllm-env:
 sglang-env:
 	bash scripts/install_sglang_cpu.sh
 
+# Separate venv with PyPI sglang-router 0.3.2 (SGLang's router): tests/server/test_sglang_router.py runs 03 through
+# a real router in front of local SGLang-API servers.
+router-env:
+	bash scripts/install_sglang_router.sh
+
 # Separate venv with PyPI speculators 0.9 for benchmarks/bench_train.py (side-by-side training speed).
 bench-env:
 	bash scripts/install_speculators.sh
@@ -35,7 +40,7 @@ toy: env
 run: env toy
 	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),)
 
-test: env vllm-env sglang-env
+test: env vllm-env sglang-env router-env
 	@$(PY) -m eagle_lib.engines.machine
 	$(PY) -m pytest -q
 

@@ -172,8 +172,15 @@ class HttpEngine(abc.ABC):
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0)
         )
 
-    async def request_json(self, session, method: str, url: str, body: dict | None = None):
-        """One HTTP exchange: JSON on 200; Retryable for transient faults; Rejected for the rest."""
+    async def get_health(self, session, url: str) -> None:
+        """GET /health: any 2xx body is healthy (SGLang answers empty, sglang-router "OK", vLLM empty)."""
+        await self.request_json(session, "GET", url + "/health", json_reply=False)
+
+    async def request_json(
+        self, session, method: str, url: str, body: dict | None = None, json_reply: bool = True
+    ):
+        """One HTTP exchange: JSON on 200 (`json_reply`; else None); Retryable for transient faults; Rejected for
+        the rest."""
         try:
             async with session.request(method, url, json=body) as resp:
                 raw = await resp.read()
@@ -190,7 +197,7 @@ class HttpEngine(abc.ABC):
             raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="refused") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
             raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="reset") from None
-        if not raw.strip():
+        if not raw.strip() or not json_reply:
             return None  # e.g. /health answers 200 with an empty body
         try:
             return json.loads(raw)
@@ -357,7 +364,7 @@ class HttpEngine(abc.ABC):
                     if self._tokenizer is not None:
                         await self.probe(session, url, self._tokenizer)
                     else:
-                        await self.request_json(session, "GET", url + "/health")
+                        await self.get_health(session, url)
                     h.back(time.monotonic())
                 except (Retryable, Rejected, EngineError) as e:
                     h.level += 1

@@ -52,7 +52,7 @@ class SGLangEngine(HttpEngine):
         return self.check_ids(ids, fr["type"]), fr["type"]
 
     async def probe(self, session, url: str, tokenizer) -> dict:
-        await self.request_json(session, "GET", url + "/health")
+        await self.get_health(session, url)
         info = await self.request_json(session, "GET", url + "/get_model_info")
         served = str((info or {}).get("model_path", "?"))
         text, local = probe_ids(tokenizer)
@@ -124,7 +124,7 @@ class OpenAIEngine(HttpEngine):
 
     async def probe(self, session, url: str, tokenizer) -> dict:
         try:
-            await self.request_json(session, "GET", url + "/health")
+            await self.get_health(session, url)
         except Rejected as e:  # /health is vLLM's; other OpenAI-compatible servers may lack it
             if e.reason != "http_404":
                 raise
