@@ -19,7 +19,7 @@ Online (:mod:`eagle_lib.serving.online`): the same prompts at the same temperatu
 drafter loaded, compared with the offline numbers and diagnosed; the server's own account of its speculative
 settings is checked too (:mod:`eagle_lib.serving.live`). Preflight checks the exported drafter first.
 
-Writes ``eval/``: tau.csv, positions.csv, accepted_hist.csv, context.csv, generations.jsonl, online.csv,
+Writes ``eval/``: tau.csv, positions.csv, accepted_hist.csv, context.csv, generations.jsonl, online.csv, online_context.csv,
 online.json, preflight.json, live_preflight.json, plots, meta.json.
 """
 
@@ -355,6 +355,7 @@ def run(cfg: params.StageConfig) -> Eval:
         raw, live = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos)
         on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
         on.to_csv(out / "online.csv", index=False)
+        online.context_table(raw, p.online_engine).to_csv(out / "online_context.csv", index=False)
         store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw})
         store.write_json(out / "live_preflight.json", live)
     h = {

@@ -173,8 +173,9 @@ def online_vllm(
     seed: int = 0,
     headers: dict | None = None,
     stop_ids: list[int] | None = None,
+    buckets: list[int] | None = None,
 ) -> dict[str, dict]:
-    """Per dataset: completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas;
+    """Per dataset (and per prompt-length bucket of `buckets`, ``by_bucket``): completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas;
     `headers` go with every request (the API key: `auth_headers`), `stop_ids` as its stop_token_ids."""
     model = model or client.get_json(base_url + "/v1/models", headers=headers)["data"][0]["id"]
 
@@ -195,12 +196,28 @@ def online_vllm(
 
     out = {}
     for ds, ps in prompts.items():
-        before = metrics_counters(base_url, headers)
-        done, answers, failed = _split(ps, _map(one, ps, concurrency))
-        after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
-        res = counter_delta(before, after, num_steps)
-        outputs = {pr.id: ids for pr, (ids, _) in zip(done, answers, strict=True)}
-        out[ds] = {**res, "outputs": outputs, "failed": failed}
+        outputs, failed, parts = {}, [], {}
+        sums, pos = {"drafts": 0.0, "accepted": 0.0, "draft_tokens": 0.0}, [0.0] * num_steps
+        for label, group in by_bucket(ps, buckets):  # one counter delta per prompt-length bucket
+            before = metrics_counters(base_url, headers)
+            done, answers, bad = _split(group, _map(one, group, concurrency))
+            after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
+            res = counter_delta(before, after, num_steps)
+            outputs |= {pr.id: ids for pr, (ids, _) in zip(done, answers, strict=True)}
+            failed += bad
+            parts[label] = {k: res[k] for k in ("tau", "drafts", "accepted")} | {"prompts": len(done)}
+            sums = {k: v + res[k] for k, v in sums.items()}
+            pos = [
+                a + (b * res["drafts"] if res["drafts"] else 0.0)
+                for a, b in zip(pos, res["acc"], strict=True)
+            ]
+        n = sums["drafts"]
+        tau, acc = (
+            (1 + sums["accepted"] / n, [x / n for x in pos])
+            if n
+            else (float("nan"), [float("nan")] * num_steps)
+        )
+        out[ds] = {"tau": tau, **sums, "acc": acc, "outputs": outputs, "failed": failed, "by_bucket": parts}
     return out
 
 
@@ -214,8 +231,9 @@ def online_sglang(
     seed: int = 0,
     headers: dict | None = None,
     stop_ids: list[int] | None = None,
+    buckets: list[int] | None = None,
 ) -> dict[str, dict]:
-    """Per dataset: /generate calls (with `headers`, `stop_ids` as stop_token_ids); tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
+    """Per dataset (and per prompt-length bucket, ``by_bucket``): /generate calls (with `headers`, `stop_ids` as stop_token_ids); tau = sum completion_tokens / sum spec_verify_ct (SGLang's own accept
     length, which counts the prefill token too)."""
 
     def one(pr: Prompt) -> dict:
@@ -243,14 +261,52 @@ def online_sglang(
         tokens, verify = sum(r["tokens"] for r in res), sum(r["verify"] for r in res)
         ids = {pr.id: r["ids"] for pr, r in zip(done, res, strict=True)}
         tau = tokens / verify if verify else float("nan")
-        out[ds] = {
-            "tau": tau,
-            "completion_tokens": tokens,
-            "spec_verify_ct": verify,
-            "outputs": ids,
-            "failed": failed,
-        }
+        parts = {}
+        for label, group in by_bucket(
+            list(zip(done, res, strict=True)), buckets, key=lambda x: len(x[0].prompt_ids)
+        ):
+            t, v = sum(r["tokens"] for _, r in group), sum(r["verify"] for _, r in group)
+            parts[label] = {"tau": t / v if v else float("nan"), "completion_tokens": t, "spec_verify_ct": v,
+                            "prompts": len(group)}  # fmt: skip
+        out[ds] = {"tau": tau, "completion_tokens": tokens, "spec_verify_ct": verify, "outputs": ids,
+                   "failed": failed, "by_bucket": parts}  # fmt: skip
     return out
+
+
+def by_bucket(
+    items: list, edges: list[int] | None, key=lambda pr: len(pr.prompt_ids)
+) -> list[tuple[str, list]]:
+    """(bucket label, items) per non-empty prompt-length bucket of 06's ``context_buckets`` (online, a request's
+    context is known before it runs only by its prompt: the buckets here are by prompt tokens)."""
+    from eagle_lib.serving.tables import bucket_labels, bucket_of
+
+    edges = list(edges or [])
+    labels = bucket_labels(edges)
+    groups: dict[int, list] = {}
+    for it in items:
+        groups.setdefault(bucket_of(key(it), edges), []).append(it)
+    return [(labels[i], groups[i]) for i in sorted(groups)]
+
+
+def context_table(raw: dict[float, dict[str, dict]], engine: str):
+    """Online tau per temperature x prompt-length bucket, pooled over datasets (drafts or verify steps added)."""
+    import pandas as pd
+
+    rows = []
+    for temp, per in sorted(raw.items()):
+        pooled: dict[str, list[float]] = {}
+        for o in per.values():
+            for label, b in (o.get("by_bucket") or {}).items():
+                acc = pooled.setdefault(label, [0.0, 0.0, 0])
+                vllm = engine == "vllm"
+                num, den = (
+                    (b["accepted"], b["drafts"]) if vllm else (b["completion_tokens"], b["spec_verify_ct"])
+                )
+                acc[0], acc[1], acc[2] = acc[0] + num, acc[1] + den, acc[2] + b["prompts"]
+        for label, (num, den, n) in pooled.items():
+            tau = (1 + num / den if engine == "vllm" else num / den) if den else float("nan")
+            rows.append(dict(temperature=temp, bucket=label, prompts=n, online_tau=tau))
+    return pd.DataFrame(rows, columns=["temperature", "bucket", "prompts", "online_tau"])
 
 
 # --- what stage 06 runs ----------------------------------------------------------------------------------
@@ -272,7 +328,7 @@ def measure(
     for temp in p.online_temps:
         s = Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)
         kw = dict(concurrency=p.online_concurrency, timeout_s=p.online_timeout_s, sampling=s, seed=seed,
-                  headers=headers, stop_ids=stop_ids)  # fmt: skip
+                  headers=headers, stop_ids=stop_ids, buckets=p.context_buckets)  # fmt: skip
         if p.online_engine == "sglang":
             raw[temp] = online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
         else:

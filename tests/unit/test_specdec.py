@@ -475,6 +475,7 @@ class StandIn(BaseHTTPRequestHandler):
     lag_reads = 0  # /metrics reads that still show the counters from before the last request
     key = ""  # the API key the stand-in requires ("" = none)
     fail: dict = {}  # first prompt id -> HTTP statuses to answer, one per request, before answering normally
+    short_accepts = 3  # accepted drafts a request with a prompt under 3 tokens adds (the context-bucket test)
 
     def log_message(self, *a):
         pass
@@ -534,7 +535,7 @@ class StandIn(BaseHTTPRequestHandler):
         if self.path == "/v1/completions":
             assert body["model"] == "served"
             StandIn.counters["drafts"] += 2
-            StandIn.counters["accepted"] += 3
+            StandIn.counters["accepted"] += 3 if len(ids) >= 3 else StandIn.short_accepts
             StandIn.counters["generated"] += len(out)
             StandIn.lag_reads = StandIn.lag
             usage = {"completion_tokens": len(out), "prompt_tokens": len(ids)}
@@ -552,7 +553,7 @@ class StandIn(BaseHTTPRequestHandler):
 def server():
     StandIn.counters, StandIn.published = {"drafts": 0, "accepted": 0, "generated": 0}, {}
     StandIn.sglang_meta, StandIn.bodies, StandIn.lag, StandIn.lag_reads, StandIn.usage = True, [], 0, 0, True
-    StandIn.key, StandIn.fail = "", {}
+    StandIn.key, StandIn.fail, StandIn.short_accepts = "", {}, 3
     srv = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
@@ -658,6 +659,23 @@ def test_online_retries_transient_faults_and_keeps_partial_results(server, engin
     StandIn.fail = {0: [401]}
     with pytest.raises(client.ServerError, match="401"):
         online.measure(p, 0, server, "", ONLINE_PROMPTS)
+
+
+def test_online_tau_per_prompt_length_bucket(server):
+    """06's context_buckets online: each prompt-length bucket gets its own /metrics delta (vLLM), so a bucket
+    whose requests accept less shows it; the dataset's tau is the sum over its buckets (the Kimi params' buckets
+    gave nothing online before)."""
+    from eagle_lib import acceptance
+
+    StandIn.short_accepts = 0  # prompts under 3 tokens ("y": [7, 8]) accept nothing
+    p = acceptance.Params(online_engine="vllm", online_url=server, temperatures=[0.0], context_buckets=[3])
+    raw = online.measure(p, 0, server, "", ONLINE_PROMPTS)
+    ctx = online.context_table(raw, "vllm").set_index("bucket")
+    assert ctx.loc["<3", "online_tau"] == pytest.approx(1.0) and ctx.loc["<3", "prompts"] == 1
+    assert ctx.loc[">=3", "online_tau"] == pytest.approx(2.5) and ctx.loc[">=3", "prompts"] == 3
+    assert raw[0.0]["x"]["by_bucket"].keys() == {">=3"} and raw[0.0]["x"]["tau"] == pytest.approx(2.5)
+    sg = online.context_table({0.0: online.online_sglang(server, ONLINE_PROMPTS, 8, buckets=[3])}, "sglang")
+    assert sg.set_index("bucket")["prompts"].to_dict() == {"<3": 1, ">=3": 3}
 
 
 def test_runner_features_are_layer_outputs_before_the_final_norm(target):
