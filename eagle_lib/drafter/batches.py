@@ -48,9 +48,45 @@ class Tally:
     truncated: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     torn_lines: list[str] = field(default_factory=list)  # file:line of every torn line skipped
+    # label tokens (loss-mask positions >= 2) per "kind/dataset" and length bucket of the whole sequence:
+    # {"train", "heldout", "cut" (past max_seq_len), "dropped" (their sequence dropped, any reason)}
+    labels: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def count(self, dataset: str, length: int, **n: int) -> None:
+        b = bucket_label(length)
+        row = self.labels.setdefault(dataset, {}).setdefault(b, dict.fromkeys(LABEL_FATES, 0))
+        for k, v in n.items():
+            row[k] += v
+
+
+LABEL_FATES = ("train", "heldout", "cut", "dropped")
+LENGTH_EDGES = (1024, 4096, 16384, 32768)  # sequence-length buckets of 05's label-token table
+
+
+def bucket_label(n: int) -> str:
+    """'<1k', '1k-4k', '4k-16k', '16k-32k', '>=32k' for a sequence of n tokens."""
+    names = ["<1k", "1k-4k", "4k-16k", "16k-32k", ">=32k"]
+    return names[sum(n >= e for e in LENGTH_EDGES)]
+
+
+def label_table(tally: Tally) -> list[dict]:
+    """One row per dataset x length bucket (and an 'all' row per dataset): label tokens trained, held out, cut
+    past max_seq_len and dropped, with the trained share."""
+    rows = []
+    for ds, per in sorted(tally.labels.items()):
+        total = dict.fromkeys(LABEL_FATES, 0)
+        for b in ["<1k", "1k-4k", "4k-16k", "16k-32k", ">=32k"]:
+            if b in per:
+                rows.append({"dataset": ds, "length": b, **per[b]})
+                total = {k: total[k] + per[b][k] for k in LABEL_FATES}
+        rows.append({"dataset": ds, "length": "all", **total})
+    for r in rows:
+        n = sum(r[k] for k in LABEL_FATES)
+        r["trained_share"] = round(r["train"] / n, 4) if n else None
+    return rows
 
 
 def _check(path: Path, rec: dict, ids, mask) -> None:
@@ -116,23 +152,33 @@ def load_sequences(
     ``keep(ids) -> bool`` (optional) drops sequences a hidden source cannot serve (reason no_hidden_dump).
     """
     train, held, tally = [], [], Tally()
-    for _path, rec, ids, mask in iter_raw(run_dir, tally.torn_lines):
+    for path, rec, ids, mask in iter_raw(run_dir, tally.torn_lines):
         tally.read += 1
         sid = str(rec.get("id"))
+        ds, length, labels = (
+            f"{'A' if path.parent.parent.name == 'A' else 'B'}/{path.parent.name}",
+            len(ids),
+            sum(mask[2:]),
+        )
         if len(ids) > max_seq_len:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
             tally.truncated += 1
-        if sum(mask[2:]) == 0:  # labels at positions < 2 have no feature two tokens before them
+        kept_labels = sum(mask[2:])
+        tally.count(ds, length, cut=labels - kept_labels)
+        if kept_labels == 0:  # labels at positions < 2 have no feature two tokens before them
             tally.drop("no_trainable_labels")
             continue
         if keep is not None and not keep(ids):
             tally.drop("no_hidden_dump")
+            tally.count(ds, length, dropped=kept_labels)
             continue
         heldout = store.is_heldout(store.split_key(rec), heldout_percent)
         bucket, cap = (held, max_eval) if heldout else (train, max_train)
         if cap and len(bucket) >= cap:
             tally.drop("over_max_eval_samples" if heldout else "over_max_train_samples")
+            tally.count(ds, length, dropped=kept_labels)
             continue
+        tally.count(ds, length, **{"heldout" if heldout else "train": kept_labels})
         bucket.append(Sequence(sid, list(ids), list(mask)))
         tally.heldout += heldout
         tally.kept += not heldout

@@ -224,3 +224,15 @@ def budget_table(cfg, summary: dict):
 
     hf = models.load_config(cfg.shared.target, **models.hub_kwargs(cfg.shared))
     return pd.DataFrame(budget.stage05_rows(hf, cfg.stage, summary), columns=["what", "estimate"])
+
+
+def label_tokens_table(cfg):
+    """Label tokens per dataset x sequence length: trained, held out, cut past max_seq_len, dropped (05's meta)."""
+    import pandas as pd
+
+    rows = store.read_json(cfg.out("drafter", "meta.json")).get("label_tokens") or []
+    return (
+        pd.DataFrame(rows)
+        if rows
+        else pd.DataFrame([{"label_tokens": "not recorded (a 05 older than the table)"}])
+    )

@@ -253,6 +253,7 @@ def _finish(cfg, model, config, summary, tally, t_start, fp: str) -> None:
         "dropped": dropped,
         "rejected": 0,
         "truncated": tally.truncated,
+        "label_tokens": batches.label_table(tally),  # trained / held out / cut / dropped per dataset x length
         "torn_lines": tally.torn_lines,  # file:line of each skipped torn write (counted in dropped.torn_line)
         "params": cfg.stage.model_dump(),
         "shared": cfg.shared.model_dump(),

@@ -450,3 +450,31 @@ def test_losses_vanish_where_the_draft_is_the_target_and_lk_leaves_lambda_undiff
     torch.testing.assert_close(g_lk, z.grad)
     with pytest.raises(ValueError, match="choose one of"):
         ttt.TTT(torch.nn.Linear(1, 1), 1, 1.0, loss="hinge")
+
+
+def test_every_label_token_is_trained_held_out_cut_or_dropped(tmp_path):
+    """05's label-token table: per dataset and sequence length, the labels past max_seq_len are counted as cut,
+    a sequence left with no label as dropped, and the counts add up to the labels of the input, recounted here
+    from the files themselves."""
+    from eagle_lib import store
+    from eagle_lib.drafter import batches
+
+    run = tmp_path / "run"
+    recs = [  # lengths 6, 1500, 5000: the last two are cut at 1200; one has all its labels past the cut
+        {"id": "a:0", "input_ids": list(range(6)), "loss_mask": [0, 0, 1, 1, 1, 1]},
+        {"id": "a:1", "input_ids": list(range(1500)), "loss_mask": [0] * 1000 + [1] * 500},
+        {"id": "a:2", "input_ids": list(range(5000)), "loss_mask": [0] * 1300 + [1] * 3700},
+    ]
+    store.append_jsonl(run / "data" / "A" / "a" / "records.jsonl", recs)
+    train, held, tally = batches.load_sequences(run, 0.0, 1200)
+    rows = {(r["dataset"], r["length"]): r for r in batches.label_table(tally)}
+    assert rows[("A/a", "<1k")] == {"dataset": "A/a", "length": "<1k", "train": 4, "heldout": 0, "cut": 0, "dropped": 0,
+                                   "trained_share": 1.0}  # fmt: skip
+    assert (rows[("A/a", "1k-4k")]["train"], rows[("A/a", "1k-4k")]["cut"]) == (200, 300)
+    assert (rows[("A/a", "4k-16k")]["train"], rows[("A/a", "4k-16k")]["cut"]) == (
+        0,
+        3700,
+    )  # dropped: no label left
+    total = rows[("A/a", "all")]
+    assert sum(total[k] for k in batches.LABEL_FATES) == sum(sum(r["loss_mask"][2:]) for r in recs)
+    assert total["trained_share"] == round(204 / 4204, 4) and tally.dropped == {"no_trainable_labels": 1}
