@@ -372,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="re-run stages even if complete and unchanged")
     v = sub.add_parser("validate", help="validate params files and exit")
     v.add_argument("params", nargs="+")
+    v.add_argument("--budget", action="store_true", help="also print the run's memory and time budget")
     v.add_argument(
         "--target-config", default="", help="the target's config.json for the budget (else loaded)"
     )
@@ -382,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = load_params(p)
                 problem = unpinned_remote_code(run.shared)
                 print(f"{p}: ok" + (f" (warning: a run would refuse: {problem})" if problem else ""))
-                print(budget_text(run, args.target_config))
+                if args.budget:  # loads torch (the drafter's shapes): only when asked
+                    print(budget_text(run, args.target_config))
             return 0
         manifest = run_pipeline(args.params, args.stages, args.run_name, args.force)
     except ParamsError as e:

@@ -72,9 +72,11 @@ def test_validate_prints_the_budget_or_why_not(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as here: the hub is out of reach
     cfg = tmp_path / "config.json"
     KIMI.to_json_file(cfg)
-    assert pipeline.main(["validate", "params/kimi_k25.yaml", "--target-config", str(cfg)]) == 0
+    assert pipeline.main(["validate", "params/kimi_k25.yaml", "--budget", "--target-config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "1,139,568,640 trainable" in out and "57,344 B" in out and "GPU-hours" in out
     assert "assumed" in out  # the rates are labelled as such
-    assert pipeline.main(["validate", "params/kimi_k25.yaml"]) == 0  # no hub here: it says why, and passes
+    assert (
+        pipeline.main(["validate", "params/kimi_k25.yaml", "--budget"]) == 0
+    )  # no hub here: it says why, and passes
     assert "budget: the target's config is not readable here" in capsys.readouterr().out
