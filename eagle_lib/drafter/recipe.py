@@ -28,6 +28,7 @@ NOT_IN_FINGERPRINT = {
     "distributed",
     "export_dtype",
     "attention",
+    "loss_chunk",
     "num_speculative_tokens",
     "measure_every",
     "measure_prompts",
@@ -103,9 +104,11 @@ class Params(params.Strict):
     max_train_samples: int = 0  # cap on training sequences; 0 means all
     max_eval_samples: int = 64  # held-out sequences for the final acc table; 0 means all
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocab
-    attention: Literal["auto", "eager", "sdpa"] = (
-        "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | auto
+    attention: Literal["auto", "eager", "sdpa", "chunked"] = (
+        "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | chunked
+        # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
     )
+    loss_chunk: int = 0  # > 0: lm_head, loss and target log-probs this many label rows at a time (no (T, V))
     precision: Literal["auto", "fp32", "bf16"] = (
         "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     )

@@ -64,6 +64,9 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.autocast = trainer.use_autocast(self.p, self.device)
         self.attention = self.p.attention if self.p.attention != "auto" else ("sdpa" if cuda else "eager")
+        self.loss_chunk = self.p.loss_chunk
+        if self.loss_chunk and hasattr(self.source, "lazy_logits"):
+            self.source.lazy_logits = True  # as 05: logits chunk by chunk from the last hidden
 
     def _source(self, tgt: str):
         """(hidden source, embedding (V, H), lm_head (V, H) or None, keep(ids) filter or None)."""
@@ -132,7 +135,7 @@ class Trainer:
                 for m in recipe.micro_batches(s, 0, 1, p.grad_accum)
             )
         model = ttt.TTT(
-            drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss
+            drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk
         )
         opts = optim.build(
             model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_lib.drafter import longseq
 from eagle_lib.drafter.model import Eagle3Drafter
 
 # (steps k, per-step loss decay) of the public trainers
@@ -122,7 +123,7 @@ def ttt_attention_sdpa(q, k0, v0, mask0, ks: list, vs: list) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, torch.cat([k0, *ks], 2), torch.cat([v0, *vs], 2), attn_mask=mask)
 
 
-ATTENTION = {"eager": ttt_attention, "sdpa": ttt_attention_sdpa}
+ATTENTION = {"eager": ttt_attention, "sdpa": ttt_attention_sdpa, "chunked": longseq.ttt_attention_chunked}
 FEEDS = ("label", "drafted")  # input token of steps >= 1: the data's next token | the drafter's own draft
 
 
@@ -138,6 +139,7 @@ class TTT(nn.Module):
         feed: str = "label",
         target_temperature: float = 1.0,
         loss: str = "soft_ce",
+        loss_chunk: int = 0,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -150,21 +152,32 @@ class TTT(nn.Module):
             raise ValueError(f"loss {loss!r}: choose one of {LOSSES}")
         self.drafter, self.steps, self.decay, self.feed, self.loss = drafter, steps, decay, feed, loss
         self.temperature = target_temperature
-        self.attention = ATTENTION[attention]
+        self.attention, self.chunked = ATTENTION[attention], attention == "chunked"
+        self.loss_chunk = loss_chunk  # > 0: head + loss this many label rows at a time (`longseq`)
         # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
         self.confidence: torch.Tensor | None = None
 
     def forward(self, input_ids, position_ids, doc_ids, loss_mask, aux, target_logits):
-        """Returns (weighted loss, stats (k, N_STATS) of sums). aux (B,T,3H_t), target_logits (B,T,V)."""
+        """Returns (weighted loss, stats (k, N_STATS) of sums). aux (B,T,3H_t); target_logits (B,T,V), or a
+        `longseq.HeadTarget` (then ``loss_chunk`` must be set: logits are only made chunk by chunk)."""
         d = self.drafter
         c = d.config
         rep = c.num_attention_heads // c.num_key_value_heads
+        lazy = isinstance(target_logits, longseq.HeadTarget)
+        if lazy and not self.loss_chunk:
+            raise ValueError("a HeadTarget (no (B, T, V) logits) needs loss_chunk > 0")
         with torch.no_grad():
-            t_arg = target_logits.argmax(-1)  # (B, T) target ids
+            if self.loss_chunk:
+                t_arg, t_logp = longseq.target_argmax(target_logits, self.loss_chunk), None
+            else:
+                t_arg = target_logits.argmax(-1)  # (B, T) target ids
+                t_logp = (at_least_fp32(target_logits[..., d.draft_ids()]) / self.temperature).log_softmax(-1)
             t_in = d.t2d[t_arg]  # (B, T) argmax in the draft vocab
-            t_logp = (at_least_fp32(target_logits[..., d.draft_ids()]) / self.temperature).log_softmax(-1)
-            same = doc_ids[:, :, None] == doc_ids[:, None, :]
-            mask0 = (same & torch.ones_like(same).tril())[:, None]  # (B, 1, T, T)
+            if self.chunked:
+                ctx = doc_ids
+            else:
+                same = doc_ids[:, :, None] == doc_ids[:, None, :]
+                ctx = (same & torch.ones_like(same).tril())[:, None]  # (B, 1, T, T)
         hidden = d.project(aux.to(d.fc.weight.dtype))  # (B, T, H)
         k0 = v0 = None
         ks, vs = [], []
@@ -181,20 +194,27 @@ class TTT(nn.Module):
             else:
                 ks.append(k)
                 vs.append(v)
-            out = d.finish(self.attention(q, k0, v0, mask0, ks, vs), res)  # (B, T, H) pre-norm
+            out = d.finish(self.attention(q, k0, v0, ctx, ks, vs), res)  # (B, T, H) pre-norm
             hidden = d.feedback(out)
             labels = shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids)  # (B, T)
-            logits = at_least_fp32(d.head(out[labels]))  # (n, N) only at label rows
             at = labels[:, : max(0, labels.shape[1] - 1 - i)]  # row t reads the target at t+1+i
-            tgt_logp = t_logp[:, 1 + i :][at]  # (n, N), no shifted copy of (B, T, N)
             tgt_arg = t_arg[:, 1 + i :][at]
             in_vocab = t_in[:, 1 + i :][at]
-            ce = per_position_loss(tgt_logp, logits.log_softmax(-1), self.loss)  # (n,)
+            if self.loss_chunk:
+                bi, ti = at.nonzero(as_tuple=True)
+                ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti + 1 + i, self.temperature,
+                                                    lambda lp, lq: per_position_loss(lp, lq, self.loss),
+                                                    self.loss_chunk)  # fmt: skip
+            else:
+                logits = at_least_fp32(d.head(out[labels]))  # (n, N) only at label rows
+                tgt_logp = t_logp[:, 1 + i :][at]  # (n, N), no shifted copy of (B, T, N)
+                ce = per_position_loss(tgt_logp, logits.log_softmax(-1), self.loss)  # (n,)
+                arg = logits.detach().argmax(-1)
             loss_sum = (ce * in_vocab).sum()
             n_loss = in_vocab.sum()
             total = total + self.decay**i * loss_sum / n_loss.clamp(min=1)
             with torch.no_grad():
-                drafted = d.draft_ids()[logits.argmax(-1)]  # (n,) target ids
+                drafted = d.draft_ids()[arg]  # (n,) target ids
                 if self.feed == "drafted":  # rows without a label keep the data's token
                     fed = shift(input_ids, 2 + i, 0).clone()
                     fed[labels] = drafted
@@ -203,7 +223,11 @@ class TTT(nn.Module):
                 den = (labels & prefix).sum()
                 prefix = prefix & labels & correct
                 if i == 0 and self.confidence is not None:
-                    self._add_confidence(target_logits[:, 1:][at], correct[labels])
+                    bi, ti = at.nonzero(as_tuple=True)
+                    hits, step = correct[labels], self.loss_chunk or max(1, len(bi))
+                    for j in range(0, len(bi), step):
+                        tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step] + 1)
+                        self._add_confidence(tl, hits[j : j + step])
                 row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]
                 stats.append(torch.stack([x.float() for x in row]))
         return total, torch.stack(stats)

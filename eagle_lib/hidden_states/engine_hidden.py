@@ -191,6 +191,7 @@ class VllmHidden:
         self.aux_cols = [ids.index(i + 1) for i in aux_layers]  # unit columns of the aux layers, in order
         self.last_col = ids.index(producer_cfg["num_layers"])
         self.head = head.to(device)
+        self.lazy_logits = False  # True: return a hidden.HeadTarget, not (B, T, V) logits
         self.stats = {"tokens": 0, "made_tokens": 0, "kept_tokens": 0, "bytes": 0, "wait_s": 0.0,
                       "compute_s": 0.0, "observed_peak_bytes": 0}  # fmt: skip
         self._last_return = None
@@ -314,7 +315,7 @@ class VllmHidden:
             path.unlink()
         if self.next == len(self.units):
             self.close()
-        logits = self.head(last.to(self.device))
+        logits = hidden.target_of(self.head, last.to(self.device), self.lazy_logits)
         self._last_return = time.perf_counter()
         return aux.to(self.device), logits
 

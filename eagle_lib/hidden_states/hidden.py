@@ -133,6 +133,24 @@ class TargetHead(nn.Module):
         return x @ self.lm_head.T  # (B, T, V)
 
 
+class HeadTarget:
+    """The target's logits, never materialised whole: last hidden (B, T, H) through `TargetHead` only at the
+    rows asked for (`eagle_lib.drafter.longseq`). Sources return one instead of (B, T, V) logits when their
+    ``lazy_logits`` is set (05/07 with ``loss_chunk``)."""
+
+    def __init__(self, last_hidden: torch.Tensor, head: TargetHead):
+        self.last, self.head = last_hidden, head
+        self.shape = (*last_hidden.shape[:2], head.lm_head.shape[0])
+
+    def rows(self, bi: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
+        return self.head(self.last[bi, ti][None])[0]  # (n, V)
+
+
+def target_of(head: TargetHead, last: torch.Tensor, lazy: bool):
+    """(B, T, V) logits of a last hidden (B, T, H), or the `HeadTarget` that makes them row by row."""
+    return HeadTarget(last, head) if lazy else head(last)
+
+
 class HubError(RuntimeError):
     """The hub could not be asked (auth, gated repo, network, offline cache miss): not the same as 'absent'."""
 
@@ -213,6 +231,7 @@ class OfflineHidden:
         if not files:
             raise FileNotFoundError(f"{self.dir}: no hs_*.safetensors hidden-state dumps")
         self.head, self.h, self.device = head.to(device), target_hidden, device
+        self.lazy_logits = False  # True: return a HeadTarget, not (B, T, V) logits
         self.index: dict[str, Path] = {}
         for path in files:
             with safe_open(str(path), "pt") as f:
@@ -267,5 +286,4 @@ class OfflineHidden:
                 a, l_ = self.split(load_file(str(path))["hidden_states"].float(), path)
                 aux[row, start : start + length] = a[:length]
                 last[row, start : start + length] = l_[:length]
-        logits = self.head(last.to(self.device))
-        return aux.to(self.device), logits
+        return aux.to(self.device), target_of(self.head, last.to(self.device), self.lazy_logits)

@@ -49,6 +49,7 @@ class KeptSource:
         self.target = models.resolve(shared.target)
         rev = models.hub_kwargs(shared)["revision"]
         self.head = hidden.load_target_head(self.target, hf_config, rev).to(device)
+        self.lazy_logits = False  # True: return a hidden.HeadTarget, not (B, T, V) logits
         self.embed = hidden.load_target_embedding(self.target, rev)
         self.pcfg = engine_hidden.producer_config(
             recipe, shared, text, self.ids, 0, device.type == "cpu", text is not hf_config
@@ -260,7 +261,7 @@ class KeptSource:
             return kept.read(key, n)
 
         aux, last = assemble(batch, rows, self.aux_cols, self.last_col, self.h)
-        return aux.to(self.device), self.head(last.to(self.device))
+        return aux.to(self.device), hidden.target_of(self.head, last.to(self.device), self.lazy_logits)
 
 
 def _keys(batch) -> list[str]:

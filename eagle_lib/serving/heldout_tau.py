@@ -115,7 +115,7 @@ class TeacherForced(Decoder):
         from eagle_lib.drafter import batches, ttt
 
         tr = self.trainer
-        model = ttt.TTT(drafter, max(self.k, 1), tr.decay, tr.attention).eval()
+        model = ttt.TTT(drafter, max(self.k, 1), tr.decay, tr.attention, loss_chunk=tr.loss_chunk).eval()
         num, den = np.zeros(len(self.seqs)), np.zeros(len(self.seqs))
         for j in range(len(self.seqs)):
             batch = batches.make_batch(self.seqs, [[j]], batches.PAD_TO)

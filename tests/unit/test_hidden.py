@@ -91,6 +91,11 @@ def test_offline_dumps_give_the_target_features_and_logits(target, tmp_path):
         torch.testing.assert_close(logits[0, start : start + n], ref_logits, rtol=5e-2, atol=5e-2)
     with pytest.raises(KeyError, match="no dump"):
         src(make_batch(s, [[2]]))
+    src.lazy_logits = True  # 05 with loss_chunk: a HeadTarget that makes the same logits row by row
+    _, lazy = src(batch)
+    assert isinstance(lazy, hidden.HeadTarget) and lazy.shape == logits.shape
+    bi, ti = torch.tensor([0, 0, 0]), torch.tensor([0, 7, 13])
+    torch.testing.assert_close(lazy.rows(bi, ti), logits[bi, ti])
 
 
 @pytest.mark.parametrize("layers,match", [(1, "EAGLE3"), (3, "not the last layer")])
