@@ -114,11 +114,6 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
         cfg.hidden_size,
         cfg.intermediate_size,
     )
-    heads = cfg.num_attention_heads
-    if p05.attention == "eager":
-        attn = k * heads * t * t * FP32 * 2  # scores and probabilities kept for backward, per step
-    else:
-        attn = sum(t * (j + 1) * t for j in range(k))  # sdpa: step j's bool mask over (j + 1) T keys
     head_dtype = str(
         getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
     )
@@ -127,10 +122,40 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
         "trainable (fp32 master + grads + AdamW)": counts["trainable"] * FP32 * (2 + ADAM_STATES) // shard,
         "frozen embedding (fp32)": counts["frozen"] * FP32 // shard,
         "target final norm + lm_head (checkpoint dtype, whole)": (v * h + h) * head_bytes,
-        "activations, one micro-batch (formula)": t * v * FP32 + k * t * (3 * vd + 3 * i + 12 * h) * FP32 + attn,
+        "activations, one micro-batch (formula)": activation_bytes(
+            t, v, vd, h, i, cfg.num_attention_heads, k, p05.attention, p05.loss_chunk, recompute=p05.checkpoint_steps
+        ),
     }  # fmt: skip
     mem["total"] = sum(mem.values())
     return mem, counts
+
+
+def activation_bytes(t: int, v: int, vd: int, h: int, i: int, heads: int, k: int, attention: str,
+                     loss_chunk: int = 0, block: int = 256, recompute: bool = False) -> int:  # fmt: skip
+    """Formula bytes (fp32) of one TTT unroll over t tokens: the decoder layer's saved tensors per step
+    (~12 H + 3 I a token), the target's logits over the vocab V and log-probs over the draft vocab, the draft
+    logits / log-softmax / gradient (3 x draft vocab a label row and step), and attention: eager keeps a (T, T)
+    mask and two (heads, T, T) score tensors a step, sdpa a (T, (j+1) T) bool mask at step j, chunked
+    (`longseq`) the output and log-sum-exp rows plus a few (heads, block, block) transients. With
+    ``loss_chunk`` the target and head terms are one chunk's (logits made per chunk from the last hidden),
+    plus the (T, H) rows each step's checkpointed head keeps. ``recompute`` (``checkpoint_steps``): a step
+    keeps its layer's input, output, keys and values (~4 H a token) and one step's internals exist at a time
+    in backward. ``auto`` counts as eager (the CPU choice)."""
+    per_token = 12 * h + 3 * i
+    layer = (k * t * 4 * h + t * per_token) * FP32 if recompute else k * t * per_token * FP32
+    if loss_chunk:
+        target = t * h * FP32 + loss_chunk * (v + vd) * FP32
+        head = k * t * h * FP32 + loss_chunk * 3 * vd * FP32
+    else:
+        target = t * (v + vd) * FP32
+        head = k * t * 3 * vd * FP32
+    if attention == "sdpa":
+        attn = t * t + sum(t * (j + 1) * t for j in range(k))
+    elif attention == "chunked":
+        attn = k * t * (h + heads) * FP32 + 4 * heads * block * block * FP32
+    else:
+        attn = t * t + k * heads * t * t * FP32 * 2
+    return layer + target + head + attn
 
 
 def hidden_bytes(hf_config, p05, tokens: int) -> dict:

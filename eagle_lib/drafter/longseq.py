@@ -72,7 +72,9 @@ class _ChunkedTTTAttention(torch.autograd.Function):
                 m, den, acc = _online(m, den, acc, s, lambda p, ks=ks: p @ _fp32(v0[:, :, ks]))
             if kd.shape[3]:
                 s = (qq[..., None, :] * _fp32(kd[:, :, qs])).sum(-1)  # (B, h, C, i)
-                m, den, acc = _online(m, den, acc, s, lambda p: (p[..., None] * _fp32(vd[:, :, qs])).sum(-2))
+                m, den, acc = _online(
+                    m, den, acc, s, lambda p, qs=qs: (p[..., None] * _fp32(vd[:, :, qs])).sum(-2)
+                )
             out[:, :, qs] = acc / den[..., None]
             lse[:, :, qs] = m + den.log()
         ctx.save_for_backward(q, k0, v0, kd, vd, doc_ids, out, lse)
@@ -112,7 +114,15 @@ class _ChunkedTTTAttention(torch.autograd.Function):
                 dq[:, :, qs] += (ds[..., None] * kk).sum(-2)
                 dkd[:, :, qs] = ds[..., None] * qq[..., None, :]
         dq *= scale
-        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd.to(kd.dtype), dvd.to(vd.dtype), None, None
+        return (
+            dq.to(q.dtype),
+            dk0.to(k0.dtype),
+            dv0.to(v0.dtype),
+            dkd.to(kd.dtype),
+            dvd.to(vd.dtype),
+            None,
+            None,
+        )
 
 
 def _online(m, den, acc, s, pv):
@@ -147,7 +157,9 @@ def target_argmax(target, chunk: int) -> torch.Tensor:
     bi, ti = (x.reshape(-1) for x in torch.meshgrid(torch.arange(b), torch.arange(t), indexing="ij"))
     dev = target.last.device if isinstance(target, HeadTarget) else target.device
     bi, ti = bi.to(dev), ti.to(dev)
-    out = [target_rows(target, bi[i : i + chunk], ti[i : i + chunk]).argmax(-1) for i in range(0, b * t, chunk)]
+    out = [
+        target_rows(target, bi[i : i + chunk], ti[i : i + chunk]).argmax(-1) for i in range(0, b * t, chunk)
+    ]
     return torch.cat(out).view(b, t) if out else torch.zeros(b, t, dtype=torch.long, device=dev)
 
 

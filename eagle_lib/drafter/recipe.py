@@ -29,6 +29,7 @@ NOT_IN_FINGERPRINT = {
     "export_dtype",
     "attention",
     "loss_chunk",
+    "checkpoint_steps",
     "num_speculative_tokens",
     "measure_every",
     "measure_prompts",
@@ -109,6 +110,7 @@ class Params(params.Strict):
         # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
     )
     loss_chunk: int = 0  # > 0: lm_head, loss and target log-probs this many label rows at a time (no (T, V))
+    checkpoint_steps: bool = False  # recompute each TTT step's decoder layer in backward (~4 H kept a token a step)
     precision: Literal["auto", "fp32", "bf16"] = (
         "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     )

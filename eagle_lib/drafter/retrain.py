@@ -135,8 +135,9 @@ class Trainer:
                 for m in recipe.micro_batches(s, 0, 1, p.grad_accum)
             )
         model = ttt.TTT(
-            drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk
-        )
+            drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
+            p.checkpoint_steps,
+        )  # fmt: skip
         opts = optim.build(
             model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay
         )

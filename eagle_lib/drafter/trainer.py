@@ -205,7 +205,8 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
     if p.loss_chunk and hasattr(source, "lazy_logits"):
         source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)
-    unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk)
+    unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
+                     p.checkpoint_steps)  # fmt: skip
     model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
     opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
     scheds = recipe.schedules(opts, p, total)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle_lib.drafter import longseq
 from eagle_lib.drafter.model import Eagle3Drafter
@@ -140,6 +141,7 @@ class TTT(nn.Module):
         target_temperature: float = 1.0,
         loss: str = "soft_ce",
         loss_chunk: int = 0,
+        checkpoint_steps: bool = False,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -154,6 +156,7 @@ class TTT(nn.Module):
         self.temperature = target_temperature
         self.attention, self.chunked = ATTENTION[attention], attention == "chunked"
         self.loss_chunk = loss_chunk  # > 0: head + loss this many label rows at a time (`longseq`)
+        self.checkpoint_steps = checkpoint_steps  # recompute each step's decoder layer in backward
         # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
         self.confidence: torch.Tensor | None = None
 
@@ -187,14 +190,23 @@ class TTT(nn.Module):
         fed = None  # (B, T) drafted input ids of the next step (feed="drafted")
         for i in range(self.steps):
             tokens = shift(input_ids, 1 + i, 0) if fed is None else fed
-            q, k, v, res = d.qkv(tokens, hidden, position_ids + i)
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+
+            def layer(hidden, *kv, tokens=tokens, i=i):
+                q, k, v, res = d.qkv(tokens, hidden, position_ids + i)
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+                k0_, v0_, ks_, vs_ = (k, v, [], []) if not kv else (kv[0], kv[1], [*kv[2::2], k], [*kv[3::2], v])
+                return d.finish(self.attention(q, k0_, v0_, ctx, ks_, vs_), res), k, v  # (B, T, H) pre-norm
+
+            kv = [] if i == 0 else [k0, v0, *(x for pair in zip(ks, vs, strict=True) for x in pair)]
+            if self.checkpoint_steps and torch.is_grad_enabled():
+                out, k, v = checkpoint(layer, hidden, *kv, use_reentrant=False)
+            else:
+                out, k, v = layer(hidden, *kv)
             if i == 0:
                 k0, v0 = k, v
             else:
                 ks.append(k)
                 vs.append(v)
-            out = d.finish(self.attention(q, k0, v0, ctx, ks, vs), res)  # (B, T, H) pre-norm
             hidden = d.feedback(out)
             labels = shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids)  # (B, T)
             at = labels[:, : max(0, labels.shape[1] - 1 - i)]  # row t reads the target at t+1+i

@@ -36,7 +36,9 @@ def test_chunked_attention_equals_full_mask_attention_and_its_gradients(block, i
     g = torch.Generator().manual_seed(block * 10 + i)
     b, h, t, d = 2, 3, 37, 8
     _, _, doc, _, _, _ = packed(t, b, seed=i)
-    q, k0, v0 = (torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k0, v0 = (
+        torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
     ks = [torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(i)]
     vs = [torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(i)]
     same = doc[:, :, None] == doc[:, None, :]
@@ -66,14 +68,15 @@ def _grads(model, *args):
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.parametrize("feed", ["label", "drafted"])
-def test_chunked_ttt_equals_eager_loss_stats_and_gradients(k, feed):
+@pytest.mark.parametrize("feed,recompute", [("label", False), ("drafted", False), ("label", True)])
+def test_chunked_ttt_equals_eager_loss_stats_and_gradients(k, feed, recompute):
     """The whole unroll on packed multi-document rows: chunked attention + chunked head/loss (3 rows a
-    chunk, block 8) against eager; loss, every stat and every trainable gradient."""
+    chunk, block 8), with and without recomputing each step's layer, against eager; loss, every stat and
+    every trainable gradient."""
     m = drafter(seed=3, n=20)
     args = packed(45, 2, seed=k)
     ref = _grads(ttt.TTT(m, k, 0.8, "eager", feed, 0.7), *args)
-    model = ttt.TTT(m, k, 0.8, "chunked", feed, 0.7, loss_chunk=3)
+    model = ttt.TTT(m, k, 0.8, "chunked", feed, 0.7, loss_chunk=3, checkpoint_steps=recompute)
     import eagle_lib.drafter.longseq as ls
 
     old, ls.BLOCK = ls.BLOCK, 8
@@ -128,3 +131,17 @@ def test_chunked_backward_keeps_no_t_by_t_tensor():
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
         ttt.ttt_attention(q, k0, v0, (same & torch.ones_like(same).tril())[:, None], [k0 * 1.0], [v0 * 1.0])
     assert max(saved) >= t * t  # the reference eager path does keep (T, T) scores: the probe sees them
+
+
+def test_recomputed_steps_keep_less_for_backward():
+    """checkpoint_steps: what autograd keeps for one unroll shrinks (the layer's internals are recomputed)."""
+    m = drafter(seed=3, n=20)
+    args = packed(64, 1, seed=1)
+
+    def kept(**kw):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: sizes.append(x.numel()) or x, lambda x: x):
+            ttt.TTT(m, 3, 0.8, "chunked", loss_chunk=16, **kw)(*args)
+        return sum(sizes)
+
+    assert kept(checkpoint_steps=True) < 0.6 * kept(checkpoint_steps=False)
