@@ -42,7 +42,7 @@ from eagle_lib.data.evalsets import Prompt
 if TYPE_CHECKING:
     from eagle_lib.serving.sampling import Sampler
 
-Method = Literal["none", "ngram", "eagle3"]
+Method = Literal["none", "ngram", "eagle3", "oracle"]  # oracle: the target's own argmax drafts, T > 0 only
 # tqdm.auto (imported by transformers while the target loads) warns on stderr in a kernel without ipywidgets:
 # noise in the executed report
 warnings.filterwarnings("ignore", message="IProgress not found")
@@ -176,9 +176,11 @@ def later_turn_prompts(multi: list[dict], tokenizer, target, p: Params, eos: lis
 
 
 # --- offline decoding ---------------------------------------------------------------------------------
-def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None):
+def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None, target=None):
     from eagle_lib.serving import specdec
 
+    if method == "oracle":  # at T > 0: the ceiling of greedy drafting (engines draft the argmax)
+        return specdec.OracleProposer(target)
     if method == "none":
         return specdec.NoProposer()
     if method == "ngram":
@@ -207,13 +209,18 @@ def decode_offline(
         True: specdec.TargetRunner(target, drafter.config.aux_layers) if drafter is not None else None,
     }
     for temp in sorted(p.temperatures):
-        todo = methods if temp == 0 else [m for m in methods if m in p.sampled_methods]
+        # the oracle accepts everything at T = 0 (nothing to learn, k target passes a step): sampled only
+        todo = (
+            [m for m in methods if m != "oracle"]
+            if temp == 0
+            else [m for m in methods if m in p.sampled_methods]
+        )
         cap = p.sampled_max_prompts if temp > 0 and p.sampled_max_prompts else None
         for ds, ps in prompts.items():
             for pr in ps[:cap]:
                 ref = None
                 for m in todo:
-                    prop = proposer_for(m, p, drafter, sampler_for(p, temp, seed, pr, "draft"))
+                    prop = proposer_for(m, p, drafter, sampler_for(p, temp, seed, pr, "draft"), target)
                     g = specdec.speculative_generate(
                         runners[prop.needs_features], prop, pr.prompt_ids, p.eval_max_new_tokens,
                         p.num_steps, eos_ids, sampler_for(p, temp, seed, pr),

@@ -70,7 +70,12 @@ def tables(
         base.get((t, d), math.nan) / s
         for t, d, s in zip(tau.temperature, tau.dataset, tau.s_per_token, strict=True)
     ]
-    ratio = {"eagle3": cost_ratio if cost_ratio is not None else math.nan, "ngram": 0.0, "none": 0.0}
+    ratio = {
+        "eagle3": cost_ratio if cost_ratio is not None else math.nan,
+        "ngram": 0.0,
+        "none": 0.0,
+        "oracle": math.nan,
+    }  # the oracle is a ceiling of acceptance, not a proposer one can run cheaply
     tau["est_speedup"] = [
         t / (1 + ratio.get(m, 0.0) * (k if m == "eagle3" else 0))
         for m, t in zip(tau.method, tau.tau, strict=True)
@@ -169,10 +174,27 @@ def answer(
         ng = tau[(tau.method == "ngram") & (tau.dataset == "all")]
         if len(ng):
             parts.append(f"n-gram lookup tau {ng.tau.iloc[0]:.2f}")
+        for t, c in ceiling(tau, method).items():
+            parts.append(f"at T={t:g} the target's own argmax drafts reach tau {c['oracle']:.2f} (the ceiling of "
+                         f"greedy drafting, as engines draft): {method} has {c['share']:.0%} of the gain")  # fmt: skip
     if online is not None and len(online):
         for r in online[online.dataset == "all"].itertuples():
             parts.append(f"{r.engine} online tau {r.online_tau:.2f} at T={r.temperature:g} ({r.verdict})")
     return "; ".join(parts) + "." if parts else "no acceptance measured."
+
+
+def ceiling(tau: pd.DataFrame, method: str = "eagle3") -> dict[float, dict]:
+    """Per sampled temperature with an 'oracle' row: its tau (the target's argmax drafts, accepted with the
+    target's own probability of its top token: what greedy drafting can reach, up to the small gain of a
+    drafter that looks ahead), the method's tau and its share of the oracle's gain over 1."""
+    allr = tau[tau.dataset == "all"] if len(tau) else tau
+    out = {}
+    for t in sorted({float(x) for x in allr.temperature} if len(allr) else []):
+        at = allr[allr.temperature == t].set_index("method")
+        if t > 0 and "oracle" in at.index and method in at.index:
+            o, m = float(at.loc["oracle", "tau"]), float(at.loc[method, "tau"])
+            out[t] = {"oracle": o, method: m, "share": (m - 1) / (o - 1) if o > 1 else float("nan")}
+    return out
 
 
 def headline(
@@ -208,6 +230,7 @@ def headline(
                     "tau_uncut": sel.tau_uncut.astype(float).to_dict(),
                     "acc": [float(sel.loc["all", f"acc_{i}"]) for i in range(1, k + 1)],
                 }
+        h["ceiling"] = {f"T={t:g}": c for t, c in ceiling(tau).items()}
         c = ctx[(ctx.method == "eagle3") & (ctx.steps > 0)]
         h["tau_eagle3_by_context"] = {
             f"T={t:g}": dict(zip(g.bucket, g.tau.astype(float), strict=True))
