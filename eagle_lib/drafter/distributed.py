@@ -53,6 +53,16 @@ def init(device: torch.device) -> torch.device:
     return device
 
 
+def data_world(sequence_parallel: int = 1) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel world size): the ranks of one sequence-parallel group (consecutive
+    ranks, `eagle_lib.drafter.seqpar`) read the same micro-batches, each computing its part of every row."""
+    rank, size, _ = world()
+    sp = max(1, sequence_parallel)
+    if size % sp:
+        raise ValueError(f"sequence_parallel {sp} must divide the number of processes ({size})")
+    return rank // sp, size // sp
+
+
 def is_main() -> bool:
     return world()[0] == 0
 

@@ -24,6 +24,7 @@ NOT_IN_FINGERPRINT = {
     "stop_after_steps",
     "max_eval_samples",
     "nproc_per_node",
+    "sequence_parallel",
     "num_threads",
     "distributed",
     "export_dtype",
@@ -110,11 +111,14 @@ class Params(params.Strict):
         # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
     )
     loss_chunk: int = 0  # > 0: lm_head, loss and target log-probs this many label rows at a time (no (T, V))
-    checkpoint_steps: bool = False  # recompute each TTT step's decoder layer in backward (~4 H kept a token a step)
+    checkpoint_steps: bool = (
+        False  # recompute each TTT step's decoder layer in backward (~4 H kept a token a step)
+    )
     precision: Literal["auto", "fp32", "bf16"] = (
         "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     )
     nproc_per_node: int = 1  # >1: relaunch under torchrun with this many processes
+    sequence_parallel: int = 1  # ranks of a group that split every row's tokens (Ulysses; drafter/seqpar.py)
     distributed: Literal["ddp", "fsdp"] = (
         "ddp"  # ddp | fsdp (shards drafter, grads and optimizer state; large drafters)
     )
@@ -138,6 +142,14 @@ class Params(params.Strict):
     final_checkpoint: Literal["last", "best_measured"] = (
         "last"  # weights in final/: last (the last step's) or best_measured (highest measured tau)
     )
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self):
+        sp = self.sequence_parallel
+        if sp < 1 or 16 % sp or self.nproc_per_node % sp:
+            raise ValueError(f"sequence_parallel {sp} must divide 16 (rows are padded to multiples of 16) and "
+                             f"nproc_per_node ({self.nproc_per_node})")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _epochs_or_steps(self):
@@ -170,7 +182,9 @@ def micro_batches(step: int, rank: int, world: int, grad_accum: int) -> range:
 def single_process(p: Params, world: int) -> Params:
     """05's recipe (run on `world` processes) as one process: the same micro-batches per optimizer step in the
     same order, hence the same steps, schedule and (summed-then-averaged) gradients."""
-    return p.model_copy(update={"grad_accum": p.grad_accum * world, "nproc_per_node": 1})
+    return p.model_copy(
+        update={"grad_accum": p.grad_accum * world, "nproc_per_node": 1, "sequence_parallel": 1}
+    )
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from eagle_lib import models, params, store
-from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, recipe, ttt, vocab
+from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, recipe, seqpar, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, save_state
 from eagle_lib.engines import machine
 
@@ -80,7 +80,8 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
     complete checkpoint of fingerprint `fp` under `out` when p.resume), each over `recipe.micro_batches` of
     `stream`; NaN guard; train_log.jsonl and checkpoints under `out`; `meter(row, history)` after each step
     (05's measured acceptance). Returns the per-step history (resumed rows included)."""
-    rank, world, _ = distributed.world()
+    rank, world = distributed.data_world(p.sequence_parallel)  # one sequence-parallel group: one data rank
+    sp = max(1, p.sequence_parallel)
     start, history = checkpoints.resume(out, model, opts, scheds, fp, world) if p.resume else (0, [])
     log = out / "train_log.jsonl"
     if distributed.is_main():  # the log restarts from the resumed checkpoint's history
@@ -91,7 +92,7 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
         tmp.touch()
         tmp.replace(log)
     autocast = use_autocast(p, device)
-    if autocast and device.type == "cpu" and not machine.native_bf16() and rank == 0:
+    if autocast and device.type == "cpu" and not machine.native_bf16() and distributed.is_main():
         print("warning: precision bf16 on a CPU without avx512_bf16/AMX: torch emulates bf16 matmuls, ~36x "
               "slower than fp32 here (eagle_lib.engines.machine.native_bf16); precision: fp32 trains the same "
               "recipe in full precision", flush=True)  # fmt: skip
@@ -120,7 +121,9 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
             for s in scheds:
                 s.step()
         stats = distributed.all_reduce_sum(stats)
-        tokens = int(distributed.all_reduce_sum(torch.tensor(tokens, device=device)))
+        tokens = (
+            int(distributed.all_reduce_sum(torch.tensor(tokens, device=device))) // sp
+        )  # a group shares rows
         row = ttt.log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
         row["skipped"] = bad > 0
         row["elapsed_s"] = (history[-1]["elapsed_s"] if history else 0.0) + row["seconds"]
@@ -200,13 +203,14 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
         )
     source, drafter, train_seqs, held, tally, vinfo = build(cfg, device, fp)
     stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
-    world = distributed.world()[1]
+    world = distributed.data_world(p.sequence_parallel)[1]
     total = recipe.total_steps(p, stream.per_epoch, world)
     attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
     if p.loss_chunk and hasattr(source, "lazy_logits"):
         source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)
+    shard = seqpar.groups(distributed.world()[1], distributed.world()[0], p.sequence_parallel)
     unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-                     p.checkpoint_steps)  # fmt: skip
+                     p.checkpoint_steps, shard)  # fmt: skip
     model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
     opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
     scheds = recipe.schedules(opts, p, total)
@@ -230,6 +234,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
         summary["hidden"] = source.summary()
     summary["measured"] = measure.summary(history, chosen, why_not, p)
     summary["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: load-independent on CPU
+    summary["sequence_parallel"] = unroll.shard.size  # ranks that split each row (the TTT module's own group)
     _finish(cfg, model, drafter.config, summary, tally, t_start, fp)
     distributed.shutdown()
     return summary

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle_lib.drafter import longseq
+from eagle_lib.drafter import longseq, seqpar
 from eagle_lib.drafter.model import Eagle3Drafter
 
 # (steps k, per-step loss decay) of the public trainers
@@ -142,6 +142,7 @@ class TTT(nn.Module):
         loss: str = "soft_ce",
         loss_chunk: int = 0,
         checkpoint_steps: bool = False,
+        shard: seqpar.Shard | None = None,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -157,6 +158,7 @@ class TTT(nn.Module):
         self.attention, self.chunked = ATTENTION[attention], attention == "chunked"
         self.loss_chunk = loss_chunk  # > 0: head + loss this many label rows at a time (`longseq`)
         self.checkpoint_steps = checkpoint_steps  # recompute each step's decoder layer in backward
+        self.shard = shard or seqpar.Shard()  # sequence parallel: this rank's rows (`seqpar`)
         # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
         self.confidence: torch.Tensor | None = None
 
@@ -181,21 +183,27 @@ class TTT(nn.Module):
             else:
                 same = doc_ids[:, :, None] == doc_ids[:, None, :]
                 ctx = (same & torch.ones_like(same).tril())[:, None]  # (B, 1, T, T)
-        hidden = d.project(aux.to(d.fc.weight.dtype))  # (B, T, H)
+        sh = self.shard  # sequence parallel: this rank computes rows a..b-1 of every row of the batch
+        a, _ = sh.bounds(input_ids.shape[1])
+        hidden = d.project(sh.local(aux).to(d.fc.weight.dtype))  # (B, T_local, H)
         k0 = v0 = None
         ks, vs = [], []
-        prefix = torch.ones_like(loss_mask)
+        prefix = sh.local(torch.ones_like(loss_mask))
         total = at_least_fp32(hidden.new_zeros(()))
         stats = []
-        fed = None  # (B, T) drafted input ids of the next step (feed="drafted")
+        fed = None  # (B, T_local) drafted input ids of the next step (feed="drafted")
         for i in range(self.steps):
-            tokens = shift(input_ids, 1 + i, 0) if fed is None else fed
+            tokens = sh.local(shift(input_ids, 1 + i, 0)) if fed is None else fed
 
             def layer(hidden, *kv, tokens=tokens, i=i):
-                q, k, v, res = d.qkv(tokens, hidden, position_ids + i)
+                q, k, v, res = d.qkv(tokens, hidden, sh.local(position_ids) + i)
                 k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-                k0_, v0_, ks_, vs_ = (k, v, [], []) if not kv else (kv[0], kv[1], [*kv[2::2], k], [*kv[3::2], v])
-                return d.finish(self.attention(q, k0_, v0_, ctx, ks_, vs_), res), k, v  # (B, T, H) pre-norm
+                q, k, v = sh.to_heads(q), sh.to_heads(k), sh.to_heads(v)  # every row, this rank's heads
+                k0_, v0_, ks_, vs_ = (
+                    (k, v, [], []) if not kv else (kv[0], kv[1], [*kv[2::2], k], [*kv[3::2], v])
+                )
+                att = sh.to_rows(self.attention(q, k0_, v0_, ctx, ks_, vs_))
+                return d.finish(att, res), k, v  # (B, T_local, H) pre-norm
 
             kv = [] if i == 0 else [k0, v0, *(x for pair in zip(ks, vs, strict=True) for x in pair)]
             if self.checkpoint_steps and torch.is_grad_enabled():
@@ -208,41 +216,40 @@ class TTT(nn.Module):
                 ks.append(k)
                 vs.append(v)
             hidden = d.feedback(out)
-            labels = shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids)  # (B, T)
-            at = labels[:, : max(0, labels.shape[1] - 1 - i)]  # row t reads the target at t+1+i
-            tgt_arg = t_arg[:, 1 + i :][at]
-            in_vocab = t_in[:, 1 + i :][at]
+            # label rows (row t reads the target at t+1+i and predicts x[t+2+i] of the same document)
+            labels = sh.local(shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids))
+            bi, ti = labels.nonzero(as_tuple=True)
+            ti = ti + a + 1 + i  # the target rows they read, in the whole row
+            tgt_arg, in_vocab = t_arg[bi, ti], t_in[bi, ti]
             if self.loss_chunk:
-                bi, ti = at.nonzero(as_tuple=True)
-                ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti + 1 + i, self.temperature,
+                ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti, self.temperature,
                                                     lambda lp, lq: per_position_loss(lp, lq, self.loss),
                                                     self.loss_chunk)  # fmt: skip
             else:
                 logits = at_least_fp32(d.head(out[labels]))  # (n, N) only at label rows
-                tgt_logp = t_logp[:, 1 + i :][at]  # (n, N), no shifted copy of (B, T, N)
-                ce = per_position_loss(tgt_logp, logits.log_softmax(-1), self.loss)  # (n,)
+                ce = per_position_loss(t_logp[bi, ti], logits.log_softmax(-1), self.loss)  # (n,)
                 arg = logits.detach().argmax(-1)
             loss_sum = (ce * in_vocab).sum()
             n_loss = in_vocab.sum()
-            total = total + self.decay**i * loss_sum / n_loss.clamp(min=1)
+            total = total + self.decay**i * loss_sum / sh.total(n_loss).clamp(min=1)
             with torch.no_grad():
                 drafted = d.draft_ids()[arg]  # (n,) target ids
                 if self.feed == "drafted":  # rows without a label keep the data's token
-                    fed = shift(input_ids, 2 + i, 0).clone()
+                    fed = sh.local(shift(input_ids, 2 + i, 0)).clone()
                     fed[labels] = drafted
                 correct = torch.zeros_like(labels)
                 correct[labels] = drafted == tgt_arg
                 den = (labels & prefix).sum()
                 prefix = prefix & labels & correct
                 if i == 0 and self.confidence is not None:
-                    bi, ti = at.nonzero(as_tuple=True)
                     hits, step = correct[labels], self.loss_chunk or max(1, len(bi))
                     for j in range(0, len(bi), step):
-                        tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step] + 1)
+                        tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step])
                         self._add_confidence(tl, hits[j : j + step])
                 row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]
                 stats.append(torch.stack([x.float() for x in row]))
-        return total, torch.stack(stats)
+        # this rank's rows' stats; the loss times the group size (the gradient average over ranks sums the group)
+        return total * sh.size, torch.stack(stats)
 
     def _add_confidence(self, tgt_logits: torch.Tensor, correct: torch.Tensor) -> None:
         """Add the first draft's labels and hits per bin of the target's top-1 probability (its own, T=1)."""
@@ -338,8 +345,9 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
                 ]
                 _, stats = model(*x, aux, tlogits)
                 total = stats if total is None else total + stats
+        total = inner.shard.total(total)  # sequence parallel: every rank held a part of each row
         out = summarize(total)
-        out["by_target_confidence"] = confidence_table(inner.confidence)
+        out["by_target_confidence"] = confidence_table(inner.shard.total(inner.confidence))
     finally:
         inner.confidence = None
         model.train()

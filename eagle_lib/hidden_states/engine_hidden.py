@@ -54,7 +54,7 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
         cfg.run_dir, cfg.shared.heldout_percent, p.max_seq_len, p.max_train_samples, p.max_eval_samples
     )
     stream = batches.BatchStream(train, p.pack_len, p.rows_per_batch, cfg.shared.seed)
-    rank, world, _ = distributed.world()
+    rank, world = distributed.data_world(p.sequence_parallel)  # a sequence-parallel group reads the same
     total = recipe.total_steps(p, stream.per_epoch, world)  # the trainer's own step count and batch order
     mbs = [
         stream.micro_batch(m)
