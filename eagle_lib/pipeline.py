@@ -328,6 +328,10 @@ def run_pipeline(
         raise ParamsError(f"{params_path}: {problem}")
     if run_name:
         run = run.model_copy(update={"run_name": run_name})
+    if run.shared.target.startswith("toy://"):  # build an embedded world here, not inside the first report
+        from eagle_lib.toy import uris
+
+        uris.resolve(run.shared.target)
     run_dir = root / run.run_dir
     runner = Runner(run, run_dir, force=force, registry=registry, root=root, log=log)
     names = runner.available(select_stages(stages, registry))

@@ -120,3 +120,16 @@ def test_code_change_reruns_only_stages_that_import_it(repo):
     used.write_text(used.read_text() + "\n# edit\n")
     go(repo, p)
     assert runs(repo, "01_fake") == 2 and runs(repo, "02_fake") == 2
+
+
+def test_a_toy_target_is_built_by_the_runner_before_any_report(repo, monkeypatch):
+    """A fresh machine: the toy world must be built (its progress on stderr) by the runner, not inside 01's
+    notebook, whose report then carried the build log as stderr (tests/pipeline/test_01_02.py caught it)."""
+    from eagle_lib.toy import uris
+
+    calls = []
+    monkeypatch.setattr(uris, "resolve", lambda uri: calls.append(uri) or uri)
+    p = repo / "p.yaml"
+    p.write_text("run_name: t\nshared: {target: toy://target}\nstages:\n  01_fake: {n: 1}\n")
+    go(repo, p, stages="1")
+    assert calls == ["toy://target"]
