@@ -97,6 +97,9 @@ def producer_config(
         "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}
         if cpu and getattr(text, "kv_lora_rank", None)
         else None,
+        # on an AMX CPU vLLM picks its AMX MLA backend, which refuses fp32 weights ("expect weight to be
+        # bfloat16..."): ask for the reference CPU MLA backend, which runs the fp32 target on every x86 CPU
+        "attention_config": {"backend": "CPU_MLA"} if cpu and getattr(text, "kv_lora_rank", None) else None,
     }
 
 
@@ -147,15 +150,33 @@ PRODUCER_WAIT_S = distributed.PROCESS_GROUP_TIMEOUT_S - 600.0
 
 def wait_for(path: Path, procs: list[subprocess.Popen], buf: Path) -> float:
     """Seconds spent waiting for a unit file; raises when every producer exited without writing it."""
-    t0 = time.perf_counter()
+    t0 = last_check = time.perf_counter()
     while not path.exists():
         if procs and all(p.poll() is not None for p in procs) and not path.exists():
             tails = [log_tail(buf, i) for i in range(len(procs))]
             raise RuntimeError(f"{path}: every vLLM producer exited before writing it\n" + "\n".join(tails))
-        if not procs and time.perf_counter() - t0 > PRODUCER_WAIT_S:
-            raise TimeoutError(f"{path}: no external producer wrote it within {PRODUCER_WAIT_S:.0f} s")
+        if not procs and time.perf_counter() - last_check > 1.0:
+            last_check = time.perf_counter()
+            if failed := failed_producers(buf):
+                raise RuntimeError(f"{path}: every external producer of {buf} failed (restart them, then resume "
+                                   "05):\n" + "\n".join(failed))  # fmt: skip
+            if last_check - t0 > PRODUCER_WAIT_S:
+                raise TimeoutError(f"{path}: no external producer wrote it within {PRODUCER_WAIT_S:.0f} s")
         time.sleep(0.01)
     return time.perf_counter() - t0
+
+
+def failed_producers(buf: Path) -> list[str]:
+    """The errors of the producers that wrote stats in `buf`, when every one of them says ``failed``."""
+    states = []
+    for f in sorted(buf.glob("producer_*.json")):
+        try:
+            states.append((f, hb.read_json(f)))
+        except (OSError, ValueError):  # being rewritten: look again next time
+            return []
+    if not states or any(s.get("state") != "failed" for _, s in states):
+        return []
+    return [f"{f.name} (pid {s.get('pid')}): {s.get('error')}\n{s.get('traceback', '')}" for f, s in states]
 
 
 def stop(procs: list[subprocess.Popen], stop_file: Path, grace_s: float = 30.0) -> None:

@@ -60,7 +60,11 @@ class VllmPrefill:
             speculative_config=spec,
             kv_transfer_config=conn,
             seed=0,
-            **{k: cfg[k] for k in ("language_model_only", "compilation_config") if cfg.get(k)},
+            **{
+                k: cfg[k]
+                for k in ("language_model_only", "compilation_config", "attention_config")
+                if cfg.get(k)
+            },
         )
 
     def prefill(self, seqs: list[list[int]]) -> list[str]:
@@ -99,6 +103,9 @@ class Producer:
         self.buf, self.index, self.count = buf, index, count
         self.stop_files = [buf / "STOP", buf / stop_file]  # by hand, or by the trainer that started us
         self.cfg = hb.read_json(buf / "producer_config.json")
+        if self.cfg is None:
+            raise FileNotFoundError(f"{buf / 'producer_config.json'}: missing (the trainer writes it; is --buffer "
+                                    "the directory its COMMAND file names?)")  # fmt: skip
         self.units = hb.read_json(buf / "plan.json")["units"]
         with open(buf / "sequences.jsonl") as f:
             self.seqs = [json.loads(line) for line in f]
@@ -250,7 +257,27 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--count", type=int, default=1)
     ap.add_argument("--stop-file", default="STOP", help="exit when this file appears in the buffer")
     a = ap.parse_args(argv)
-    Producer(a.buffer, a.index, a.count, a.stop_file).run()
+    try:
+        Producer(a.buffer, a.index, a.count, a.stop_file).run()
+    except BaseException as e:  # the trainer waits on this buffer, maybe on another node: tell it, then fail
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            record_failure(a.buffer, a.index, e)
+        raise
+
+
+def record_failure(buf: Path, index: int, err: BaseException) -> None:
+    """producer_<index>.json says ``failed`` with the error and its traceback's tail (`engine_hidden.wait_for`
+    reads it: a rank waiting on external producers stops at once instead of after PRODUCER_WAIT_S)."""
+    import traceback
+
+    path = buf / f"producer_{index}.json"
+    try:
+        old = hb.read_json(path) if path.exists() else {}
+    except (OSError, ValueError):
+        old = {}
+    tail = "".join(traceback.format_exception(err))[-3000:]
+    hb.write_json(path, {**old, "state": "failed", "pid": os.getpid(), "error": f"{type(err).__name__}: {err}",
+                         "traceback": tail})  # fmt: skip
 
 
 if __name__ == "__main__":  # the multiprocessing engine re-imports __main__ in its workers

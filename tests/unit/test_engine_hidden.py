@@ -121,3 +121,26 @@ def test_out_of_plan_call_and_oversized_unit_fail_clearly(target, tmp_path):
     with pytest.raises(SystemExit, match="raise max_buffer_gb"):
         vllm_producer.Producer(tmp_path / "buf", 0, 1).run()
     src.close()
+
+
+def test_a_failed_external_producer_stops_the_waiting_rank_at_once(tmp_path, monkeypatch):
+    """start_producers: false. A producer that dies (here: no producer_config.json in its buffer, as any
+    startup error) records ``failed`` with its error; the rank waiting on a unit raises with that error
+    within seconds, not after PRODUCER_WAIT_S (the mini-Kimi run hung an hour on an AMX host before)."""
+    import time
+
+    buf = tmp_path / "rank0"
+    buf.mkdir()
+    with pytest.raises(FileNotFoundError):
+        vllm_producer.main(["--buffer", str(buf), "--index", "0"])
+    state = hb.read_json(buf / "producer_0.json")
+    assert state["state"] == "failed" and "producer_config.json" in state["error"]
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="every external producer .* failed") as err:
+        engine_hidden.wait_for(buf / "unit_000000.safetensors", [], buf)
+    assert time.perf_counter() - t0 < 5 and "producer_config.json" in str(err.value)
+    # one producer still starting (another index): keep waiting, the timeout still applies
+    hb.write_json(buf / "producer_1.json", {"state": "starting", "pid": 1})
+    monkeypatch.setattr(engine_hidden, "PRODUCER_WAIT_S", 1.5)
+    with pytest.raises(TimeoutError):
+        engine_hidden.wait_for(buf / "unit_000000.safetensors", [], buf)
