@@ -36,7 +36,7 @@ def block_pairs(doc_ids: torch.Tensor, block: int) -> list[list[int]]:
     t = doc_ids.shape[1]
     nb = (t + block - 1) // block
     pad = nb * block - t
-    d = torch.nn.functional.pad(doc_ids, (0, pad), value=int(doc_ids.min()) if t else 0)
+    d = torch.cat([doc_ids, doc_ids[:, -1:].expand(-1, pad)], 1) if pad else doc_ids  # the tail repeats the last
     d = d.view(d.shape[0], nb, block)
     lo, hi = d.amin(-1).amin(0).tolist(), d.amax(-1).amax(0).tolist()  # per block over the batch
     return [[kb for kb in range(qb + 1) if lo[kb] <= hi[qb] and lo[qb] <= hi[kb]] for qb in range(nb)]
