@@ -97,7 +97,12 @@ def main() -> None:
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
+        import warnings
+
         import torch
+
+        warnings.filterwarnings("ignore")  # transformers' cache deprecations: noise in the table
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 
         torch.set_num_threads(a.threads[0])
         print(json.dumps(WORK[a.worker](a.seconds)))

@@ -38,6 +38,7 @@ from pydantic import model_validator
 from eagle_lib import params, store
 from eagle_lib.data import evalsets
 from eagle_lib.data.evalsets import Prompt
+from eagle_lib.engines import machine
 
 if TYPE_CHECKING:
     from eagle_lib.serving.sampling import Sampler
@@ -323,6 +324,7 @@ def run(cfg: params.StageConfig) -> Eval:
     from eagle_lib.serving import tables as tbl
 
     p, shared, started, out = cfg.stage, cfg.shared, time.time(), cfg.out("eval")
+    machine.set_cpu_threads(shared.num_workers)  # offline decoding on CPU: the machine rule
     out.mkdir(parents=True, exist_ok=True)
     prompts, tally = heldout_prompts(cfg.run_dir, shared.heldout_percent, p)
     tok = models.load_tokenizer(shared)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_lib import models, params, store
-from eagle_lib.engines import commit
+from eagle_lib.engines import commit, machine
 from eagle_lib.engines.base import EngineError, Sampling
 from eagle_lib.engines.resume import InferError, Resume, error_ids, merge_shards, target_identity
 
@@ -158,7 +158,7 @@ def make_engine(cfg: params.StageConfig, tokenizer):
         from eagle_lib.engines.embedded import EmbeddedEngine
 
         if models.pick_device(shared.device).type == "cpu":
-            torch.set_num_threads(models.num_workers(shared.num_workers))
+            machine.set_cpu_threads(shared.num_workers)  # the machine rule unless num_workers is set
         model = models.load_target(shared, dtype=None if p.dtype == "auto" else getattr(torch, p.dtype))
         return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len)
     from eagle_lib.engines.http_apis import OpenAIEngine, SGLangEngine

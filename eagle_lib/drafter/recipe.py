@@ -130,7 +130,7 @@ class Params(params.Strict):
     stop_after_steps: int = 0  # stop this invocation after so many steps (time-boxed jobs); 0 runs to the end
     log_every: int = 10  # print a progress line every so many steps
     max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before training aborts
-    num_threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    num_threads: int = 0  # torch CPU threads; 0: the machine rule (engines.machine.cpu_threads: half the cores)
     export_dtype: Literal["float32", "bfloat16", "float16"] = (
         "float32"  # float32 | bfloat16 | float16 for the SGLang / speculators exports
     )

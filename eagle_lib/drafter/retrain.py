@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 
 import pydantic
-import torch
 
 from eagle_lib import models, params, store
 from eagle_lib.drafter import batches, checkpoints, optim, recipe, trainer, ttt, vocab
+from eagle_lib.engines import machine
 
 
 class RecipeError(ValueError):
@@ -54,8 +54,7 @@ class Trainer:
     def __init__(self, p05: recipe.Params, shared: params.SharedParams, world: int = 1, device=None):
         self.p05, self.world, self.shared = p05, world, shared
         self.p = recipe.single_process(p05, world)
-        if self.p.num_threads:  # as 05: one thread each keeps busy shared cores from oversubscribing
-            torch.set_num_threads(self.p.num_threads)
+        machine.set_cpu_threads(self.p.num_threads)  # as 05 (07 trains in one process)
         self.device = device or models.pick_device(shared.device)
         self.hf_config = models.load_config(shared.target, **models.hub_kwargs(shared))
         self.config = recipe.drafter_config(self.hf_config, self.p)

@@ -193,8 +193,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     """The stage body (one process of a torchrun job, or the only one); ``fp``: the settings fingerprint."""
     _quiet()
     p, out, t_start, cpu_start = cfg.stage, cfg.out("drafter"), time.time(), time.process_time()
-    if p.num_threads:
-        torch.set_num_threads(p.num_threads)
+    machine.set_cpu_threads(p.num_threads, distributed.world()[1])  # on GPU: the data loading's threads
     device = distributed.init(models.pick_device(cfg.shared.device))
     k, decay = ttt.resolve_preset(p.ttt_preset, p.ttt_steps, p.loss_decay)
     if p.optimizer == "muon" and distributed.world()[1] > 1 and p.distributed == "fsdp":

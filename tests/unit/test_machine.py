@@ -41,3 +41,15 @@ def test_the_named_build_is_the_one_vllm_loads_here():
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300, check=True)
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded == [machine.vllm_ops_build(py).removeprefix("vllm.")]
+
+
+@pytest.mark.parametrize("cores,requested,processes,want", [(2, 0, 1, 1), (16, 0, 1, 8), (16, 0, 8, 1), (16, 0, 2, 4),
+                                                            (1, 0, 1, 1), (2, 3, 1, 3)])  # fmt: skip
+def test_cpu_threads_is_half_the_usable_cores_shared_by_the_ranks(
+    monkeypatch, cores, requested, processes, want
+):
+    """The one thread rule of the CPU stages (bench_threads: every core collapses under load, half holds)."""
+    from eagle_lib.engines import machine
+
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    assert machine.cpu_threads(requested, processes) == want
