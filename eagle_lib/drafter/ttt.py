@@ -163,7 +163,8 @@ class TTT(nn.Module):
         self.confidence: torch.Tensor | None = None
 
     def forward(self, input_ids, position_ids, doc_ids, loss_mask, aux, target_logits):
-        """Returns (weighted loss, stats (k, N_STATS) of sums). aux (B,T,3H_t); target_logits (B,T,V), or a
+        """Returns (weighted loss, stats (k, N_STATS) of sums); under sequence parallel (`seqpar`) the loss of
+        this rank's rows times the group size and their stats. aux (B,T,3H_t); target_logits (B,T,V), or a
         `longseq.HeadTarget` (then ``loss_chunk`` must be set: logits are only made chunk by chunk)."""
         d = self.drafter
         c = d.config
