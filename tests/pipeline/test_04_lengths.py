@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from eagle_lib import models, params, report, store
+from eagle_lib.pipeline import REPO_ROOT
 
 STAGE = "04_length_analysis"
 
@@ -84,3 +85,39 @@ def test_finished_run_is_not_projected_and_outputs_exist(analysis):
     assert all(v["message"] and v["level"] in ("warn", "info") for v in verdicts)
     for png in ("lengths_ecdf", "truncation", "tokens"):
         assert (analysis / "plots" / f"{png}.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("ledger", ["every dataset", "one dataset without"])
+def test_03_killed_at_40_percent_then_04_covers_the_final_total(ci_run, tmp_path, ledger):
+    """Issue 24's snapshot check on the CI run's real 03 files, cut at one moment (40% of all responses written)
+    as a SIGKILL would leave them: every dataset has started (03 interleaves them), and 04's headline never
+    claims more than it knows. With every ledger, 04 projects each dataset from its censored estimate and the
+    interval holds the finished run's total; when one dataset has no ledger (an old run's files) and too few
+    completed samples, the headline is an explicit lower bound, at or below the final total, never a point."""
+    from eagle_lib import lengths
+    from tests.support.snapshot import cut_run_at
+
+    final = store.read_json(ci_run / "metrics" / f"{STAGE}.json")["projected_trainable_tokens"]
+    cut_run_at(ci_run, tmp_path, 0.4)
+    names = sorted(p.parent.name for p in (ci_run / "infer").glob("*/responses.jsonl"))
+    for name in names:
+        done = sum(1 for _ in store.iter_jsonl(ci_run / "infer" / name / "responses.jsonl"))
+        snap = list(store.iter_jsonl(tmp_path / "infer" / name / "responses.jsonl"))
+        assert snap and len(snap) < done, name  # every dataset begun, none finished
+    if ledger != "every dataset":
+        (tmp_path / "infer" / names[0] / "started.jsonl").unlink()
+    run = params.load_params(REPO_ROOT / "params" / "ci.yaml")
+    cfg = params.StageConfig(
+        STAGE, tmp_path, run.shared.model_copy(update={"num_workers": 1}), run.stage(STAGE)
+    )
+    res = lengths.run(cfg)
+    h = res.headline
+    assert h["trainable_tokens"] < final
+    lo, hi = h["projected_trainable_lo"], h["projected_trainable_hi"]
+    print(f"{ledger}: measured {h['trainable_tokens']}, interval [{lo:.0f}, {hi}], final {final:.0f}")
+    if ledger == "every dataset":
+        assert not h["projected_is_lower_bound"] and lo <= final <= hi and lo < hi
+    else:
+        assert h["projected_is_lower_bound"] and h["unprojected_datasets"] == [f"B/{names[0]}"]
+        assert h["projected_trainable_tokens"] is None and hi is None and lo <= final
+        assert "lower bound" in res.answer_text and "95% interval" not in res.answer_text

@@ -32,3 +32,21 @@ def cut_run(src: Path, dst: Path, fraction: float) -> dict[str, float]:
         starts = [s for s in store.read_jsonl(ds / "started.jsonl") if s["t"] <= t]
         store.append_jsonl(out / "started.jsonl", starts, fsync=False)
     return moments
+
+
+def cut_run_at(src: Path, dst: Path, fraction: float) -> float:
+    """Write the snapshot of run `src` at ONE moment for every dataset: when `fraction` of all its responses
+    (every B dataset together) had been written, as a SIGKILL of 03 then would leave it. Returns the moment."""
+    shutil.copytree(src / "data", dst / "data", dirs_exist_ok=True)
+    dirs = sorted(p for p in (src / "infer").iterdir() if p.is_dir())
+    recs = {ds.name: store.read_jsonl(ds / "responses.jsonl") for ds in dirs}
+    t = cut_moment([r for rs in recs.values() for r in rs], fraction)
+    for ds in dirs:
+        out = dst / "infer" / ds.name
+        out.mkdir(parents=True, exist_ok=True)
+        store.append_jsonl(
+            out / "responses.jsonl", [r for r in recs[ds.name] if r["finished_at"] <= t], fsync=False
+        )
+        starts = [s for s in store.read_jsonl(ds / "started.jsonl") if s["t"] <= t]
+        store.append_jsonl(out / "started.jsonl", starts, fsync=False)
+    return t
