@@ -56,6 +56,7 @@ class Params(params.Strict):
     max_prompt_tokens: int = 768  # longer prompts are skipped (counted as dropped 'too_long')
     a_prompt: Literal["last_turn", "first_turn"] = "last_turn"  # A records: prompt before this assistant turn
     eval_max_new_tokens: int = 64  # tokens generated per held-out prompt while measuring tau
+    stop_token_ids: list[int] = []  # empty: the target's (generation config, as 03); others: decode past them
     num_steps: int = 3  # drafts per step (SGLang --speculative-num-steps, vLLM num_speculative_tokens)
     topk: int = 1  # draft tree width in the launch commands; offline decoding is a chain (topk 1)
     num_draft_tokens: int = 4  # SGLang --speculative-num-draft-tokens (num_steps + 1 for topk 1)
@@ -341,7 +342,7 @@ def run(cfg: params.StageConfig) -> Eval:
     pf = preflight_all(exports, cfg, tcfg)
     store.write_json(out / "preflight.json", pf)
     gens: list[dict] = []
-    eos = models.stop_ids(tok, target, shared)
+    eos = list(p.stop_token_ids) or models.stop_ids(tok, target, shared)
     if multi and p.offline:  # later turns need the target's own answers: decoded here
         later, set_tally["later_turns"] = later_turn_prompts(multi, tok, target, p, eos)
         prompts |= later
