@@ -36,7 +36,9 @@ def block_pairs(doc_ids: torch.Tensor, block: int) -> list[list[int]]:
     t = doc_ids.shape[1]
     nb = (t + block - 1) // block
     pad = nb * block - t
-    d = torch.cat([doc_ids, doc_ids[:, -1:].expand(-1, pad)], 1) if pad else doc_ids  # the tail repeats the last
+    d = (
+        torch.cat([doc_ids, doc_ids[:, -1:].expand(-1, pad)], 1) if pad else doc_ids
+    )  # the tail repeats the last
     d = d.view(d.shape[0], nb, block)
     lo, hi = d.amin(-1).amin(0).tolist(), d.amax(-1).amax(0).tolist()  # per block over the batch
     return [[kb for kb in range(qb + 1) if lo[kb] <= hi[qb] and lo[qb] <= hi[kb]] for qb in range(nb)]
@@ -145,14 +147,19 @@ def ttt_attention_chunked(q, k0, v0, doc_ids, ks: list, vs: list, block: int | N
     return _ChunkedTTTAttention.apply(q, k0, v0, kd, vd, doc_ids, block or BLOCK)
 
 
-def target_rows(target, bi: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
-    """(n, V) target logits at rows (bi, ti) of a (B, T, V) tensor or a `HeadTarget`."""
-    return target.rows(bi, ti) if isinstance(target, HeadTarget) else target[bi, ti]
+def target_rows(target, bi: torch.Tensor, ti: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, V) target logits at rows (bi, ti) of a (B, T, V) tensor or a `HeadTarget`; with `cols`, (n, len(cols))
+    of those vocabulary ids only (a `HeadTarget` then multiplies by those lm_head rows alone: V / N less work)."""
+    if isinstance(target, HeadTarget):
+        return target.rows(bi, ti, cols)
+    return target[bi, ti] if cols is None else target[bi, ti][:, cols]
 
 
 @torch.no_grad()
 def target_argmax(target, chunk: int) -> torch.Tensor:
     """(B, T) the target's argmax over its whole vocab, ``chunk`` rows at a time."""
+    if isinstance(target, HeadTarget) and target.argmax is not None:
+        return target.argmax  # the source's (07's kept source computes each sequence's once)
     b, t = target.shape[:2]
     bi, ti = (x.reshape(-1) for x in torch.meshgrid(torch.arange(b), torch.arange(t), indexing="ij"))
     dev = target.last.device if isinstance(target, HeadTarget) else target.device
@@ -175,7 +182,7 @@ def chunked_head_loss(drafter, out_rows, target, bi, ti, temperature, per_positi
     losses, arg = [], []
     for i in range(0, out_rows.shape[0], chunk):
         with torch.no_grad():
-            tl = _fp32(target_rows(target, bi[i : i + chunk], ti[i : i + chunk])[:, ids])
+            tl = _fp32(target_rows(target, bi[i : i + chunk], ti[i : i + chunk], ids))
             logp = (tl / temperature).log_softmax(-1)
 
         def f(x, logp=logp):

@@ -126,11 +126,12 @@ class TargetHead(nn.Module):
         self.lm_head = nn.Parameter(lm_head, requires_grad=False)
         self.eps = eps
 
-    def forward(self, last: torch.Tensor) -> torch.Tensor:
+    def forward(self, last: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, V) logits, or (B, T, len(cols)) of the vocabulary ids `cols` only (the draft vocab's)."""
         x = last.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = (self.norm_weight.float() * x).to(self.lm_head.dtype)
-        return x @ self.lm_head.T  # (B, T, V)
+        return x @ (self.lm_head if cols is None else self.lm_head[cols]).T
 
 
 class HeadTarget:
@@ -138,17 +139,27 @@ class HeadTarget:
     rows asked for (`eagle_lib.drafter.longseq`). Sources return one instead of (B, T, V) logits when their
     ``lazy_logits`` is set (05/07 with ``loss_chunk``)."""
 
-    def __init__(self, last_hidden: torch.Tensor, head: TargetHead):
+    def __init__(self, last_hidden: torch.Tensor, head: TargetHead, argmax: torch.Tensor | None = None):
         self.last, self.head = last_hidden, head
         self.shape = (*last_hidden.shape[:2], head.lm_head.shape[0])
+        self.argmax = argmax  # (B, T) the target's argmax over its whole vocab, when the source knows it
 
-    def rows(self, bi: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
-        return self.head(self.last[bi, ti][None])[0]  # (n, V)
+    def rows(self, bi: torch.Tensor, ti: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, V) logits at rows (bi, ti), or (n, len(cols)) of the ids `cols` only."""
+        return self.head(self.last[bi, ti][None], cols)[0]
 
 
-def target_of(head: TargetHead, last: torch.Tensor, lazy: bool):
-    """(B, T, V) logits of a last hidden (B, T, H), or the `HeadTarget` that makes them row by row."""
-    return HeadTarget(last, head) if lazy else head(last)
+def target_of(head: TargetHead, last: torch.Tensor, lazy: bool, argmax: torch.Tensor | None = None):
+    """(B, T, V) logits of a last hidden (B, T, H), or the `HeadTarget` that makes them row by row (with the
+    whole-vocab `argmax` when the source has it)."""
+    return HeadTarget(last, head, argmax) if lazy else head(last)
+
+
+@torch.no_grad()
+def head_argmax(head: TargetHead, last: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(T,) argmax over the whole vocab of the logits of a last hidden (T, H), ``chunk`` rows at a time."""
+    out = [head(last[i : i + chunk]).argmax(-1) for i in range(0, last.shape[0], max(1, chunk))]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=last.device)
 
 
 class HubError(RuntimeError):

@@ -27,6 +27,8 @@ from eagle_lib.hidden_states import engine_hidden, hidden
 from eagle_lib.hidden_states import hidden_buffer as hb
 from eagle_lib.hidden_states.hidden_store import HiddenStore, assemble, identity
 
+ARGMAX_CACHE_TOKENS = 64 << 20  # sequences' target argmax kept in memory (8 bytes a token: at most 512 MiB)
+
 
 def _close(procs: list, buf: Path, session: str) -> None:
     engine_hidden.stop(procs, buf / f"STOP.{session}")
@@ -50,6 +52,10 @@ class KeptSource:
         rev = models.hub_kwargs(shared)["revision"]
         self.head = hidden.load_target_head(self.target, hf_config, rev).to(device)
         self.lazy_logits = False  # True: return a hidden.HeadTarget, not (B, T, V) logits
+        # lazy: each sequence's whole-vocab target argmax, made once and reused by every later arm (it is the
+        # (T, V) product of a training step's target side; 07 trains many arms on the same sequences)
+        self.argmax: dict[str, torch.Tensor] = {}
+        self.argmax_tokens = 0
         self.embed = hidden.load_target_embedding(self.target, rev)
         self.pcfg = engine_hidden.producer_config(
             recipe, shared, text, self.ids, 0, device.type == "cpu", text is not hf_config
@@ -261,7 +267,24 @@ class KeptSource:
             return kept.read(key, n)
 
         aux, last = assemble(batch, rows, self.aux_cols, self.last_col, self.h)
-        return aux.to(self.device), hidden.target_of(self.head, last.to(self.device), self.lazy_logits)
+        last = last.to(self.device)
+        arg = self._argmax(batch, last) if self.lazy_logits else None
+        return aux.to(self.device), hidden.target_of(self.head, last, self.lazy_logits, arg)
+
+    def _argmax(self, batch, last: torch.Tensor) -> torch.Tensor:
+        """(B, T) the target's whole-vocab argmax: per sequence from the cache, else made and cached (up to
+        ARGMAX_CACHE_TOKENS tokens in all); padding 0 (never a label row)."""
+        out = torch.zeros(last.shape[:2], dtype=torch.long, device=last.device)
+        chunk = self.recipe.get("loss_chunk") or 1024
+        for r, segs in enumerate(batch.segments):
+            for key, s, n in segs:
+                got = self.argmax.get(key)
+                if got is None or got.numel() != n:
+                    got = hidden.head_argmax(self.head, last[r, s : s + n], chunk)
+                    if self.argmax_tokens + n <= ARGMAX_CACHE_TOKENS:
+                        self.argmax[key], self.argmax_tokens = got, self.argmax_tokens + n
+                out[r, s : s + n] = got
+        return out
 
 
 def _keys(batch) -> list[str]:

@@ -116,7 +116,9 @@ def test_run_on_tiny_run_dir(tmp_path):
     # stop_token_ids replaces the target's stop ids: the first token the target wrote now ends that answer
     first = next(g for g in gens if g["method"] == "none" and g["temperature"] == 0)
     assert len(first["output_ids"]) == 12 and meta["stop_ids"] != first["output_ids"][:1]
-    p2 = p.model_copy(update={"methods": ["none"], "temperatures": [0.0], "stop_token_ids": first["output_ids"][:1]})
+    p2 = p.model_copy(
+        update={"methods": ["none"], "temperatures": [0.0], "stop_token_ids": first["output_ids"][:1]}
+    )
     acceptance.run(params.StageConfig("06_eval_acceptance", run_dir, shared, p2))
     gens2 = {g["id"]: g for g in store.read_jsonl(run_dir / "eval" / "generations.jsonl")}
     assert store.read_json(run_dir / "eval" / "meta.json")["stop_ids"] == first["output_ids"][:1]

@@ -96,6 +96,32 @@ def test_offline_dumps_give_the_target_features_and_logits(target, tmp_path):
     assert isinstance(lazy, hidden.HeadTarget) and lazy.shape == logits.shape
     bi, ti = torch.tensor([0, 0, 0]), torch.tensor([0, 7, 13])
     torch.testing.assert_close(lazy.rows(bi, ti), logits[bi, ti])
+    cols = torch.tensor([5, 0, 17, 3])  # only those lm_head rows (the draft vocab's): the same logits
+    torch.testing.assert_close(lazy.rows(bi, ti, cols), logits[bi, ti][:, cols])
+
+
+def test_kept_source_argmax_is_made_once_per_sequence_and_equals_the_logits(target):
+    """07's kept source gives a lazy target its whole-vocab argmax, each sequence's made once: another packing
+    of the same sequences (a later arm) reads the cache and still equals the argmax of the full logits."""
+    from types import SimpleNamespace
+
+    from eagle_lib.drafter import longseq
+    from eagle_lib.hidden_states.kept_source import KeptSource
+
+    torch.manual_seed(0)
+    v, h = 50, 16
+    head = hidden.TargetHead(torch.rand(h) + 0.5, torch.randn(v, h), 1e-6)
+    s = seqs(3, [9, 5, 7])
+    fake = SimpleNamespace(head=head, recipe={"loss_chunk": 4}, argmax={}, argmax_tokens=0)
+    b1, b2 = make_batch(s, [[0, 1], [2]]), make_batch(s, [[2, 0], [1]])
+    last1, last2 = torch.randn(*b1.input_ids.shape, h), torch.randn(*b2.input_ids.shape, h)
+    last2[0, :7], last2[0, 7:16], last2[1, :5] = last1[1, :7], last1[0, :9], last1[0, 9:14]  # same sequences
+    for batch, last in ((b1, last1), (b2, last2)):
+        arg = KeptSource._argmax(fake, batch, last)
+        ref = longseq.target_argmax(hidden.HeadTarget(last, head), 3)  # made here from the full logits
+        real = batch.doc_ids >= 0
+        assert torch.equal(arg[real], ref[real]) and fake.argmax_tokens == 21  # the second batch: all cached
+        assert longseq.target_argmax(hidden.HeadTarget(last, head, arg), 3) is arg
 
 
 @pytest.mark.parametrize("layers,match", [(1, "EAGLE3"), (3, "not the last layer")])
