@@ -97,7 +97,10 @@ def labels(run_dir: Path) -> dict:
 
     rows = store.read_json(run_dir / "drafter" / "meta.json")["label_tokens"]
     tot = {k: sum(r[k] for r in rows if r["length"] == "all") for k in ("train", "heldout", "cut", "dropped")}
-    by_len = {r["length"]: r["cut"] for r in rows if r["length"] != "all"}
+    by_len: dict[str, int] = {}
+    for r in rows:
+        if r["length"] != "all":
+            by_len[r["length"]] = by_len.get(r["length"], 0) + r["cut"]
     return tot | {"cut_by_length": {k: v for k, v in sorted(by_len.items()) if v}}
 
 
