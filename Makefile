@@ -49,7 +49,7 @@ lab: env
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --ServerApp.ip=127.0.0.1 --no-browser
 
 test-unit: env
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not slow and not server" tests/unit
 
 lint: env
 	$(VENV)/bin/ruff check eagle_lib tests benchmarks

@@ -56,6 +56,7 @@ def eagle_tiny_init_fc(world, tmp_path):
     return drafter.fc.weight.detach()
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one(world, tmp_path):
     compare(world, tmp_path, "ddp")
 
@@ -65,6 +66,7 @@ def test_fsdp_two_processes_match_one(world, tmp_path):
     compare(world, tmp_path, "fsdp")
 
 
+@pytest.mark.slow
 def test_07_trains_05s_two_rank_recipe_as_one_process(world, tmp_path):
     """05 on 2 ranks x grad_accum 2 with its steps from the epoch count; 07's retrainer on that run's recipe
     takes 05's step count and 4 micro-batches per step in 05's order, and ends on 05's weights (the old
@@ -126,6 +128,7 @@ distributed.shutdown()  # barrier first: one rank tearing gloo down while the ot
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bf16", [True, False])
 def test_fsdp_bf16_gathers_bf16_and_keeps_fp32_master_shards(bf16):
     """05's bf16 precision under FSDP: the gathered weights a module computes with are bf16 (half the

@@ -123,6 +123,7 @@ def test_out_of_plan_call_and_oversized_unit_fail_clearly(target, tmp_path):
     src.close()
 
 
+@pytest.mark.slow
 def test_a_failed_external_producer_stops_the_waiting_rank_at_once(tmp_path, monkeypatch):
     """start_producers: false. A producer that dies (here: no producer_config.json in its buffer, as any
     startup error) records ``failed`` with its error; the rank waiting on a unit raises with that error

@@ -225,6 +225,7 @@ def test_sglang_payload_follows_the_native_contract():
     assert sp["sampling_seed"] == s.seed_for("a")
 
 
+@pytest.mark.slow
 def test_transient_faults_are_retried_until_success(world, prompts, standin):
     _, tok, model = world
     s = Sampling(max_new_tokens=10)
@@ -376,6 +377,7 @@ def standin_process(model_dir, port: int, delay_s: float):
     raise RuntimeError("stand-in process did not start")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay_s", [1.0])
 def test_a_dead_server_and_one_killed_mid_run_cost_no_retries(world, prompts, delay_s):
     """The fault test of issue 24: three servers, one dead from the start, one SIGKILLed mid-run (its in-flight

@@ -216,6 +216,7 @@ def test_float8_storage_keeps_each_rows_range_within_e4m3_rounding(tmp_path):
         assert 40 * 4 * 64 * size <= path.stat().st_size <= hb.shard_bytes(40, 1, 4, 64, dtype)
 
 
+@pytest.mark.slow
 def test_storage_dtype_effect_on_heldout_acc_is_bounded(tmp_path, monkeypatch):
     """Stage 05 end to end on the tiny world, hidden states stored as float32, bfloat16 and float8: the
     held-out acc of each position moves by at most ACC_BOUND (measured: see the printed line)."""

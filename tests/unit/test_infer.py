@@ -159,6 +159,7 @@ def params_file(tmp_path: Path, world_dir: Path, max_new_tokens: int, **stage) -
     return f
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_then_finish(world, tmp_path):
     """The CLI is SIGKILLed three times in the middle of writing a non-ASCII record, then finishes: one record
     per prompt, none lost, none duplicated, outputs belong to their ids."""
@@ -187,6 +188,7 @@ def test_sigkill_mid_write_then_finish(world, tmp_path):
     assert {p["id"]: by_id[p["id"]] for p in sample} == reference(d, sample, max_new=24, stop=eos)
 
 
+@pytest.mark.slow
 def test_sigkill_during_the_merge_of_shards(world, tmp_path):
     """Two shards done; the merging run is SIGKILLed mid-write; the next run merges the rest exactly once."""
     d, tok = world

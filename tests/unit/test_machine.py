@@ -28,6 +28,7 @@ def test_model_and_flags_of_the_first_processor():
     assert machine.cpu_model_and_flags("") == ("unknown", dict.fromkeys(machine.ISA_FLAGS, False))
 
 
+@pytest.mark.slow
 def test_the_named_build_is_the_one_vllm_loads_here():
     """Reference: the shared object vLLM's own kernel import maps into the process (/proc/self/maps)."""
     py = vllm_server.vllm_python()

@@ -97,6 +97,7 @@ def toy():
     return shared, tok, ChatEncoder(tok)
 
 
+@pytest.mark.slow
 def test_parse_answer_inverts_the_template(toy):
     _, _, enc = toy
     msg = {"role": "assistant", "content": "Sure.", "reasoning_content": "think ✓",
@@ -129,6 +130,7 @@ def answered(toy, tmp_path_factory):
     return run, infer.run(infer_cfg(run, shared))
 
 
+@pytest.mark.slow
 def test_every_turn_answered_with_its_own_history(toy, answered):
     """Turn k's prompt is the template's render of the source turns with the target's own earlier answers; each
     output is the target's greedy answer to exactly that prompt (an independent one-at-a-time engine)."""
@@ -195,6 +197,7 @@ def reference_mask(tok, enc, seq_ids: list[int], turns: list[dict], conv: dict) 
     return mask
 
 
+@pytest.mark.slow
 def test_05_trains_each_conversation_once_with_every_answer_masked(toy, answered):
     _, tok, enc = toy
     run, _ = answered
@@ -222,6 +225,7 @@ def test_05_trains_each_conversation_once_with_every_answer_masked(toy, answered
                multiturn.training_records(store.read_jsonl(run / f"infer/{n}/responses.jsonl")))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sigkill_mid_conversation_resumes_each_turn_exactly_once(toy, answered, tmp_path):
     shared, _, _ = toy
     ref_run, _ = answered
@@ -257,6 +261,7 @@ def test_sigkill_mid_conversation_resumes_each_turn_exactly_once(toy, answered, 
     assert meta["duplicates_ignored"] == 0
 
 
+@pytest.mark.slow
 def test_first_turns_cut_a_merged_conversation_to_its_turn_0(answered):
     """07's single-turn view (regenerated vs original, multi vs single): turn 0's own record, named by its
     conversation; later sequences dropped."""

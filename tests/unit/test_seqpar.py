@@ -44,6 +44,7 @@ distributed.shutdown()
     "k,feed,attention,chunk",
     [(1, "label", "chunked", 0), (3, "drafted", "chunked", 5), (7, "label", "eager", 4)],
 )
+@pytest.mark.slow
 def test_two_ranks_each_half_a_row_equal_one_process(k, feed, attention, chunk):
     from eagle_lib.engines.vllm_server import free_port
 
@@ -60,6 +61,7 @@ def test_two_ranks_each_half_a_row_equal_one_process(k, feed, attention, chunk):
     assert 0 < got["local_labels"] < got["labels"]  # each rank trained a part, not the whole row
 
 
+@pytest.mark.slow
 def test_05_on_a_two_rank_sequence_parallel_group_matches_one_process(tmp_path):
     """05 itself: nproc_per_node 2 with sequence_parallel 2 (one data rank; each process half of every row)
     ends on one process's weights with the same batches and losses (float32 sums: abs 1e-5, rel 1e-5)."""

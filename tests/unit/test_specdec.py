@@ -366,6 +366,7 @@ def tv_tolerance(probs: torch.Tensor, n: float) -> float:
     return TV_SLACK * 0.5 * float((2 * probs * (1 - probs) / (math.pi * n)).sqrt().sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["near", "oracle", "eagle_greedy", "eagle_sampled"])
 def test_speculative_sampling_matches_target_distribution(small, marginals, kind):
     t, d = small
@@ -394,6 +395,7 @@ def test_speculative_sampling_matches_target_distribution(small, marginals, kind
 RUNS_BROKEN = 600
 
 
+@pytest.mark.slow
 def test_distribution_check_catches_a_broken_sampler(small, marginals):
     """The same check fails when the accept rule is fed a wrong q (claims q = p: every draft accepted)."""
     counts, _ = sampled_outputs(small, lambda i: NearTarget(small[0], 10_000 + i, lie=True), runs=RUNS_BROKEN)

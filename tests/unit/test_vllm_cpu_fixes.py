@@ -80,6 +80,7 @@ print(json.dumps({"asked": asked, "installed": cpu._expand_kernel_impl is vllm_c
 """
 
 
+@pytest.mark.slow
 def test_plugin_registers_on_a_forced_avx2_cpu_without_touching_vllm_C():
     import json
     import subprocess
