@@ -2,7 +2,7 @@
 
 Per trainer rank: the drafter's trainable parameters with fp32 master weights, gradients and AdamW's two moments
 (16 bytes a parameter, sharded over the ranks under FSDP, which gathers them in bf16 for bf16 precision), its
-frozen embedding (fp32, sharded too), the target's final norm + lm_head that turn the last hidden state into
+frozen embedding (bf16 under bf16 precision: only looked up; sharded too), the target's final norm + lm_head that turn the last hidden state into
 logits (the checkpoint's dtype, whole on every rank), and one micro-batch's
 activations (the target logits over the full vocab, the draft logits, log-softmax and their gradients over the
 draft vocab and the decoder layer's saved tensors for each of the k TTT steps, the attention masks or scores).
@@ -106,6 +106,7 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
     cfg = recipe.drafter_config(hf_config, p05)
     world = max(1, p05.nproc_per_node)
     shard = world if p05.distributed == "fsdp" else 1
+    bf16 = p05.precision != "fp32"  # a GPU run: auto is bf16 there (trainer.use_autocast)
     k, _ = ttt.resolve_preset(p05.ttt_preset, p05.ttt_steps, p05.loss_decay)
     t, v, vd, h, i = (
         p05.rows_per_batch * p05.pack_len,
@@ -120,7 +121,7 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
     head_bytes = {"bfloat16": 2, "float16": 2}.get(head_dtype.removeprefix("torch."), FP32)
     mem = {
         "trainable (fp32 master + grads + AdamW)": counts["trainable"] * FP32 * (2 + ADAM_STATES) // shard,
-        "frozen embedding (fp32)": counts["frozen"] * FP32 // shard,
+        "frozen embedding (bf16 under bf16 precision, else fp32)": counts["frozen"] * (2 if bf16 else FP32) // shard,
         "target final norm + lm_head (checkpoint dtype, whole)": (v * h + h) * head_bytes,
         "activations, one micro-batch (formula)": activation_bytes(
             t, v, vd, h, i, cfg.num_attention_heads, k, p05.attention, p05.loss_chunk, recompute=p05.checkpoint_steps

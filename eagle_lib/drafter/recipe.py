@@ -130,7 +130,9 @@ class Params(params.Strict):
     stop_after_steps: int = 0  # stop this invocation after so many steps (time-boxed jobs); 0 runs to the end
     log_every: int = 10  # print a progress line every so many steps
     max_bad_steps: int = 5  # consecutive non-finite steps (skipped) before training aborts
-    num_threads: int = 0  # torch CPU threads; 0: the machine rule (engines.machine.cpu_threads: half the cores)
+    num_threads: int = (
+        0  # torch CPU threads; 0: the machine rule (engines.machine.cpu_threads: half the cores)
+    )
     export_dtype: Literal["float32", "bfloat16", "float16"] = (
         "float32"  # float32 | bfloat16 | float16 for the SGLang / speculators exports
     )
@@ -229,3 +231,12 @@ def new_drafter(config, d2t, t2d, p: Params, seed: int, embed, lm_head):
     head = lm_head.detach().float().cpu() if p.init_lm_head_from_target else None
     init_from_target(drafter, embed.detach().float().cpu(), head)
     return drafter
+
+
+def frozen_in_bf16(drafter, bf16: bool) -> None:
+    """Under bf16 precision the frozen target embedding is held in bf16: it is only looked up, never trained,
+    so it needs no fp32 master copy (a bf16 checkpoint's values, as Kimi's, lose nothing)."""
+    import torch
+
+    if bf16:
+        drafter.embed_tokens.to(torch.bfloat16)

@@ -116,6 +116,7 @@ class Trainer:
         drafter = recipe.new_drafter(
             self.config, d2t, t2d, self.p, self.shared.seed, self.embed, self.lm_head
         )
+        recipe.frozen_in_bf16(drafter, self.autocast)
         return drafter.to(self.device)
 
     def train(self, seqs: list[batches.Sequence], steps: int, warmup: int, work_dir: Path, key: str):

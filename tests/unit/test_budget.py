@@ -31,11 +31,13 @@ def test_kimi_drafter_size_and_bytes_per_rank_by_hand(kimi_run):
     mem, counts = budget.memory_per_rank(KIMI, p05)
     assert counts == {"trainable": trainable, "frozen": v * h}
     assert mem["trainable (fp32 master + grads + AdamW)"] == trainable * 16 // 8  # FSDP over 8 ranks
-    assert mem["frozen embedding (fp32)"] == v * h * 4 // 8
+    assert mem["frozen embedding (bf16 under bf16 precision, else fp32)"] == v * h * 2 // 8  # bf16, sharded
     assert mem["target final norm + lm_head (checkpoint dtype, whole)"] == (v * h + h) * 2  # bf16, as stored
     # one 32K row, k = 7, chunked attention, loss_chunk 4096, checkpoint_steps (fp32 bytes, by hand):
     t, k, c, heads = 32768, 7, 4096, 64
-    layers = k * t * 4 * h + t * (12 * h + 3 * i)  # input/output/keys/values kept a step + one step recomputed
+    layers = k * t * 4 * h + t * (
+        12 * h + 3 * i
+    )  # input/output/keys/values kept a step + one step recomputed
     target = t * h + c * (v + vd)  # the last hidden, one chunk's logits and draft-vocab log-probs
     head = k * t * h + c * 3 * vd  # the checkpointed head's input rows a step, one chunk's logits/grad
     attn = k * t * (h + heads) + 4 * heads * 256 * 256  # output + log-sum-exp a step, block transients

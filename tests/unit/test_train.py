@@ -478,3 +478,28 @@ def test_every_label_token_is_trained_held_out_cut_or_dropped(tmp_path):
     total = rows[("A/a", "all")]
     assert sum(total[k] for k in batches.LABEL_FATES) == sum(sum(r["loss_mask"][2:]) for r in recs)
     assert total["trained_share"] == round(204 / 4204, 4) and tally.dropped == {"no_trainable_labels": 1}
+
+
+def test_bf16_precision_holds_the_frozen_embedding_in_bf16_and_trains(world, tmp_path):
+    """precision bf16: the frozen target embedding is bf16 (looked up only: no fp32 copy), every trainable
+    weight stays fp32 (the master copy), and 05 trains, checkpoints and resumes to the same weights; fp32
+    precision keeps it fp32. (The embedding was fp32 under bf16 before.)"""
+    root, _ = world
+    device = torch.device("cpu")
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = eagle_tiny.stage_config(
+            copy_run(world, tmp_path / precision), root / "target", precision=precision
+        )
+        _, d, *_ = trainer.build(cfg, device)
+        assert d.embed_tokens.weight.dtype == dtype and not d.embed_tokens.weight.requires_grad
+        assert all(q.dtype == torch.float32 for q in d.parameters() if q.requires_grad)
+    full, cut = copy_run(world, tmp_path / "full"), copy_run(world, tmp_path / "cut")
+    ref = train.run(eagle_tiny.stage_config(full, root / "target", precision="bf16"))
+    train.run(eagle_tiny.stage_config(cut, root / "target", precision="bf16", stop_after_steps=3))
+    again = train.run(eagle_tiny.stage_config(cut, root / "target", precision="bf16"))
+    assert all(map(math.isfinite, ref["heldout"]["acc"])) and again["heldout"]["acc"] == pytest.approx(
+        ref["heldout"]["acc"]
+    )
+    wa, wb = load_drafter(full / "drafter/final"), load_drafter(cut / "drafter/final")
+    for key, v in wa.state_dict().items():
+        torch.testing.assert_close(v, wb.state_dict()[key], rtol=1e-5, atol=1e-6)
