@@ -1,5 +1,6 @@
-"""CLI: ``python -m eagle_lib.toy build [--world toy|kimi] [--force]`` builds the toy world (or the mini-Kimi
-world, ``toy://kimi``) and prints its dir and build-log summary;
+"""CLI: ``python -m eagle_lib.toy build [--world toy|kimi|long] [--force]`` builds the toy world (or the mini-Kimi
+world, ``toy://kimi``, or the toy world's long-context variant, ``toy://long``) and prints its dir and build-log
+summary;
 ``python -m eagle_lib.toy resolve URI`` prints the local path of a toy:// URI."""
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or reuse the cached) toy world")
     b.add_argument("--force", action="store_true", help="rebuild even if a cached world exists")
-    b.add_argument("--world", choices=["toy", "kimi"], default="toy", help="which world (default: toy)")
+    b.add_argument(
+        "--world", choices=["toy", "kimi", "long"], default="toy", help="which world (default: toy)"
+    )
     r = sub.add_parser("resolve", help="print the local path of a toy:// URI")
     r.add_argument("uri")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
         mod = mini_kimi if args.world == "kimi" else world
-        root = mod.build(force=args.force, log=log)
+        if args.world == "long":
+            root = world.build(world.LONG_RECIPE, force=args.force, log=log)
+        else:
+            root = mod.build(force=args.force, log=log)
         print(root)
         print(mod.summary(json.loads((root / "build_log.json").read_text())))
         return 0

@@ -61,6 +61,12 @@ RECIPE: dict = {
     },
 }
 TOY_NAMES = ["target", "tokenizer"] + [f"data/{n}" for n in datasets.DATASET_NAMES]
+# The long-context variant (``toy://long``, issue 23): the same data, tokenizer, model and tokens per step, but the
+# target trains on 2,048-token blocks (1 a step instead of 4 of 512), so positions up to 2K are in its training
+# distribution as a real target's long contexts are (the toy target never saw a position past 511, and what it
+# writes there is extrapolation no drafter is meant to learn). Used by params/toy_long.yaml only.
+LONG_RECIPE: dict = copy.deepcopy(RECIPE)
+LONG_RECIPE["train"] |= {"block_size": 2048, "batch_size": 1}
 STALE_TMP_SECONDS = 6 * 3600
 
 

@@ -345,6 +345,38 @@ def test_resolve(small_world, monkeypatch):
         toy.resolve("toy://target")
 
 
+def test_long_variant_changes_only_the_target_context_and_resolves_to_its_own_world(small_world, monkeypatch):
+    from eagle_lib.toy import uris
+
+    def flat(r: dict) -> dict:
+        return {
+            f"{k}.{j}": w for k, v in r.items() for j, w in (v.items() if isinstance(v, dict) else [("", v)])
+        }
+
+    toy_r, long_r = flat(world.RECIPE), flat(world.LONG_RECIPE)
+    assert {k for k in toy_r if toy_r[k] != long_r[k]} == {"train.block_size", "train.batch_size"}
+    assert long_r["train.block_size"] >= 4 * toy_r["train.block_size"]  # positions past 2K are in training
+    # the same tokens per step, so the long target is trained on as much text as the toy target
+    assert (
+        long_r["train.block_size"] * long_r["train.batch_size"]
+        == toy_r["train.block_size"] * toy_r["train.batch_size"]
+    )
+    root, _ = small_world
+    monkeypatch.setenv("EAGLE_CACHE", str(root.parent))
+    monkeypatch.setattr(world, "RECIPE", small_recipe())
+    monkeypatch.setattr(world, "LONG_RECIPE", small_recipe(block_size=64))
+    assert not uris.built("toy://long") and uris.built("toy://tokenizer")
+    tok_dir = Path(uris.resolve("toy://long/tokenizer"))  # builds the (data-only) long world
+    assert tok_dir.parent == world.world_dir(small_recipe(block_size=64)) != root
+    assert (
+        uris.built("toy://long")
+        and tok_dir.joinpath("tokenizer.json").read_bytes()
+        == (root / "tokenizer" / "tokenizer.json").read_bytes()
+    )  # the same tokenizer: only the target differs
+    with pytest.raises(ValueError, match="long-context toy world .* has no nope"):
+        uris.resolve("toy://long/nope")
+
+
 def test_cli_resolve(capsys):
     assert cli.main(["resolve", "plain/name"]) == 0
     assert capsys.readouterr().out.strip() == "plain/name"
