@@ -4,8 +4,11 @@ Every study trains fresh drafters with the run's 05 recipe (`eagle_lib.drafter.r
 ``drafter/meta.json``) on subsets of 05's own training sequences (held-out ids never enter) and measures each
 drafter's tau on ONE fixed set of held-out prompts by offline speculative decoding, as 06 does
 (`eagle_lib.serving.heldout_tau`). Intervals are percentile bootstraps over those prompts, resampled within
-each eval dataset and paired across drafters (they share the prompts); they cover which prompts were held out,
-not training seeds.
+each eval dataset and paired across drafters (they share the prompts); they cover which prompts were held out
+and, with ``noise_seeds`` > 0, training noise: the curve's smallest ``noise_fractions`` (cheap) are trained again
+with other seeds, their pooled spread is the seed noise of tau (assumed the same at every fraction), and every
+interval of the stage (projections, verdict, leave-one-out values, regenerated vs original, multi-turn) draws it
+(`eagle_lib.data_value.curve`: posterior of the variance given the replicates, so few seeds give wide intervals).
 
 1. Learning curve: nested stratified subsets (`eagle_lib.data.subsets`) of ``fractions`` of 05's training
    tokens; steps proportional to the tokens (``steps: proportional``, 05's epochs: each token is seen as often
@@ -64,6 +67,10 @@ class Params(params.Strict):
     eval_max_new_tokens: int = 64  # tokens generated per held-out prompt
     num_steps: int = 3  # drafts per target verify step (num_steps of 06); the chain limit is num_steps + 1
     bootstrap_reps: int = 400  # bootstrap draws over held-out prompts
+    noise_seeds: int = (
+        1  # more seeds trained at each noise fraction: their spread is the training noise (0: none)
+    )
+    noise_fractions: list[float] | None = None  # curve fractions given those seeds; None: the two smallest
     multipliers: list[float] = [2.0, 4.0, 10.0]  # projected tau at these multiples of the 05 training tokens
     target_tau: float = 2.5  # report the training tokens needed for this tau
     min_gain: float = 0.05  # doubling the data must add more tau than this to count as data-limited
@@ -97,6 +104,13 @@ class Params(params.Strict):
         ):
             raise ValueError(
                 "lodo_fraction and regen_fraction must be in (0, 1], multiturn_base_fraction in [0, 1], step_scale > 0"
+            )
+        if self.noise_seeds < 0 or (
+            self.noise_fractions is not None and not set(self.noise_fractions) <= set(self.fractions)
+        ):
+            raise ValueError(
+                f"noise_seeds must be >= 0 and noise_fractions ({self.noise_fractions}) a subset of fractions "
+                f"({self.fractions})"
             )
         if (
             min(self.num_steps, self.eval_max_new_tokens, self.max_prompts_per_dataset, self.bootstrap_reps)

@@ -10,7 +10,15 @@ the same points always give the same fit.
 Uncertainty: tau of a drafter is a ratio of sums over held-out prompts (sum of accepted + 1 over sum of steps),
 so one bootstrap draw resamples the prompts (the same draw for every drafter: the points move together, as
 they share the held-out set), recomputes every tau and refits. Percentile intervals of the projections
-follow; they cover evaluation noise (which prompts were held out), not training noise (seeds).
+follow; they cover evaluation noise (which prompts were held out).
+
+Training noise (another seed trains another drafter of another tau on the same data): where some curve points
+were trained with several seeds (`SeedNoise`), their pooled spread gives s (nu degrees of freedom), assumed the
+same at every point (a variance model, stated in the verdict). Each bootstrap draw then also draws a variance
+from the posterior of sigma^2 given s (nu s^2 / chi^2_nu: scaled inverse chi-square, flat prior on log sigma,
+so few replicates give wide, t-like tails rather than a confident plug-in) and adds independent normal offsets
+of that variance (over the seeds averaged) to every point's tau before refitting, and twice that variance to a
+paired difference of two drafters (`diff_interval`). Replicated points enter the fit as their seeds' mean.
 """
 
 from __future__ import annotations
@@ -90,16 +98,61 @@ def bootstrap_draws(n_prompts: int, reps: int, seed: int, strata: list | None = 
     return np.concatenate([g[rng.integers(0, len(g), size=(reps, len(g)))] for g in groups], axis=1)
 
 
+@dataclass(frozen=True)
+class SeedNoise:
+    """Training noise of tau from seed replicates: pooled sd, its degrees of freedom, the seeds per point."""
+
+    sd: float  # pooled within-point standard deviation of tau across seeds (0 when nothing was replicated)
+    dof: int  # sum over points of (seeds - 1)
+    seeds: tuple[int, ...]  # (D,) seeds each point's tau averages
+
+    @classmethod
+    def from_replicates(cls, taus: list) -> SeedNoise:
+        """`taus[i]`: the tau of each seed trained at point i (one value: not replicated)."""
+        taus = [np.asarray(t, dtype=float) for t in taus]
+        if any(len(t) < 1 for t in taus):
+            raise ValueError("SeedNoise: every point needs at least one tau")
+        dof = sum(len(t) - 1 for t in taus)
+        ss = sum(float(((t - t.mean()) ** 2).sum()) for t in taus)
+        return cls(math.sqrt(ss / dof) if dof else 0.0, dof, tuple(len(t) for t in taus))
+
+    def variances(self, reps: int, seed: int) -> np.ndarray:
+        """(reps,) draws of sigma^2 from its posterior given s: nu s^2 / chi^2_nu (zeros when nu = 0)."""
+        if self.dof == 0:
+            return np.zeros(reps)
+        rng = np.random.default_rng([seed, 7919])  # a stream of its own: the prompt draws stay as they were
+        return self.dof * self.sd**2 / rng.chisquare(self.dof, size=reps)
+
+    def offsets(self, reps: int, seed: int) -> np.ndarray:
+        """(reps, D) training-noise offsets of the points' tau, one posterior variance per draw."""
+        var = self.variances(reps, seed)
+        rng = np.random.default_rng([seed, 104729])
+        z = rng.standard_normal((reps, len(self.seeds)))
+        return z * np.sqrt(var[:, None] / np.asarray(self.seeds, dtype=float))
+
+    def text(self) -> str:
+        if self.dof == 0:
+            return "training noise not measured (no seed replicates): intervals cover held-out prompt sampling only"
+        return (
+            f"intervals include training noise: seed sd {self.sd:.3f} tau ({self.dof} degrees of freedom from "
+            "seed replicates), assumed the same at every fraction"
+        )
+
+
+NO_NOISE = SeedNoise(0.0, 0, ())
+
+
 @dataclass
 class Curve:
     """The fitted curve, its bootstrap fits and the projections asked for."""
 
     x: np.ndarray  # (D,) relative tokens of the points
-    tau: np.ndarray  # (D,) measured tau
+    tau: np.ndarray  # (D,) measured tau (a replicated point: its seeds' mean)
     fit: Fit
     boot: list[Fit]
     cap: float
     multipliers: list[float]
+    noise: SeedNoise = NO_NOISE
 
     def band(self, xs, q: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
         """Pointwise (lo, hi) of the bootstrap curves at xs."""
@@ -136,6 +189,14 @@ class Curve:
         }
 
 
+def point_tau(
+    num: np.ndarray, den: np.ndarray, groups: list[list[int]], idx: np.ndarray | None = None
+) -> np.ndarray:
+    """(D,) tau per point: the mean over its seeds' drafters (rows of num/den) of each one's ratio tau."""
+    t = ratio_tau(num, den, idx)
+    return np.array([t[g].mean() for g in groups])
+
+
 def learning_curve(
     x,
     num: np.ndarray,
@@ -145,27 +206,49 @@ def learning_curve(
     reps: int,
     seed: int,
     strata=None,
+    groups: list[list[int]] | None = None,
 ) -> Curve:
-    """Fit the curve to tau = num/den per point (D points x P prompts) and bootstrap it over the prompts."""
+    """Fit the curve to the points' tau and bootstrap it over the prompts (and, with seed replicates, over
+    training noise). num/den: (A drafters x P prompts); `groups[i]`: the rows of point i's drafters (its seeds;
+    default: one drafter per point)."""
     x = np.asarray(x, dtype=float)
-    tau = ratio_tau(num, den)
+    groups = groups or [[i] for i in range(len(num))]
+    if len(groups) != len(x):
+        raise ValueError(f"learning_curve: {len(x)} points but {len(groups)} groups of drafters")
+    tau = point_tau(num, den, groups)
+    each = ratio_tau(num, den)
+    noise = SeedNoise.from_replicates([each[g] for g in groups])
     fit = fit_saturating(x, tau, cap)
+    off = noise.offsets(reps, seed)
     boot = [
-        fit_saturating(x, ratio_tau(num, den, idx), cap)
-        for idx in bootstrap_draws(num.shape[1], reps, seed, strata)
+        fit_saturating(x, point_tau(num, den, groups, idx) + off[r], cap)
+        for r, idx in enumerate(bootstrap_draws(num.shape[1], reps, seed, strata))
     ]
-    return Curve(x, tau, fit, boot, cap, list(multipliers))
+    return Curve(x, tau, fit, boot, cap, list(multipliers), noise)
 
 
 MIN_PROMPTS = 5  # a bootstrap over fewer prompts is no interval: such a difference is never "measurable"
 
 
 def diff_interval(
-    num: np.ndarray, den: np.ndarray, i: int, j: int, draws: np.ndarray, q: float = 0.95
+    num: np.ndarray,
+    den: np.ndarray,
+    i: int,
+    j: int,
+    draws: np.ndarray,
+    q: float = 0.95,
+    noise: SeedNoise = NO_NOISE,
+    seed: int = 0,
 ) -> dict:
     """tau_i - tau_j (paired: the same resampled prompts for both) with its percentile interval
-    (NaN, not measurable, below MIN_PROMPTS prompts)."""
-    d = [float(t[i] - t[j]) for t in (ratio_tau(num, den, idx) for idx in draws)]
+    (NaN, not measurable, below MIN_PROMPTS prompts); with `noise`, each draw adds the training noise of two
+    independently trained drafters (normal, twice a posterior variance draw)."""
+    var = noise.variances(len(draws), seed)
+    z = np.random.default_rng([seed, 15485863]).standard_normal(len(draws))
+    d = [
+        float(t[i] - t[j] + z[r] * math.sqrt(2 * var[r]))
+        for r, t in enumerate(ratio_tau(num, den, idx) for idx in draws)
+    ]
     few = num.shape[1] < MIN_PROMPTS or not d
     lo, hi = (math.nan, math.nan) if few else np.quantile(d, [(1 - q) / 2, (1 + q) / 2])
     full = ratio_tau(num, den)
@@ -195,8 +278,9 @@ def verdict(curve: Curve, min_gain: float, q: float = 0.95) -> dict:
     else:
         kind = "undetermined"
         text = f"undetermined: doubling the data is projected to move tau from {span} (gain {g['gain']:+.2f}, " \
-               f"interval [{g['lo']:+.2f}, {g['hi']:+.2f}] straddles {min_gain}); more held-out prompts or " \
-               "another subset point would decide"  # fmt: skip
+               f"interval [{g['lo']:+.2f}, {g['hi']:+.2f}] straddles {min_gain}); more held-out prompts, " \
+               "another subset point or more seeds would decide"  # fmt: skip
+    text += f" ({curve.noise.text()})"
     top = int(np.argmax(curve.x))  # the fit must also pass the full-data point, or its shape is wrong
     miss = float(curve.tau[top] - curve.fit.predict([curve.x[top]])[0])
     if abs(miss) > max(0.05, (now["hi"] - now["lo"]) / 2):

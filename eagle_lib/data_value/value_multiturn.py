@@ -210,10 +210,12 @@ def study(st, p):
     st.arm("multi_turn", "multiturn", base + multi, decoder=dec)
     tally |= {"eval_prompts": dict(Counter(q.dataset for q in prompts)), "arm_tokens": subsets.tokens(single)}
     df = tables.pair_table(st, "multi_turn", "single_turn", p, sums=dec.sums)
-    return pd.concat([df, pd.DataFrame([_later(dec.sums, p, st.cfg.shared.seed)])], ignore_index=True), tally
+    return pd.concat(
+        [df, pd.DataFrame([_later(dec.sums, p, st.cfg.shared.seed, st.noise)])], ignore_index=True
+    ), tally
 
 
-def _later(s, p, seed: int) -> dict:
+def _later(s, p, seed: int, noise=None) -> dict:
     """The later-turn prompts of every dataset pooled (resampled within datasets), as one more row "later"."""
     from eagle_lib.data_value import curve as curves
 
@@ -223,7 +225,7 @@ def _later(s, p, seed: int) -> dict:
     num, den = s.rows(["multi_turn", "single_turn"])
     num, den = num[:, cols], den[:, cols]
     draws = curves.bootstrap_draws(len(cols), p.bootstrap_reps, seed, [s.datasets[k] for k in cols])
-    d = curves.diff_interval(num, den, 0, 1, draws)
+    d = curves.diff_interval(num, den, 0, 1, draws, noise=noise or curves.NO_NOISE, seed=seed)
     taus = num.sum(axis=1) / den.sum(axis=1).clip(min=1)
     return {"eval": "later", "tau_multi_turn": taus[0], "tau_single_turn": taus[1], "diff": d["diff"], "lo": d["lo"],
             "hi": d["hi"], "measurable": d["measurable"]}  # fmt: skip

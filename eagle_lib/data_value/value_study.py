@@ -50,6 +50,7 @@ class Study:
         self.steps05 = self.trainer.full_steps(self.train_seqs)
         self.decoder = self._decoder(cfg, held)
         self.arms: dict[str, dict] = {}
+        self.noise = curves.NO_NOISE  # training noise, once the curve's seed replicates measured it
         self.sums_file = self.out / "sums.json"
         self.cached_sums = store.read_json(self.sums_file) if self.sums_file.exists() else {}
 
@@ -85,25 +86,38 @@ class Study:
         steps = max(1, round(self.steps05 * share * p.step_scale))
         return steps, min(steps, round(r["warmup_steps"] * steps / self.steps05))
 
-    def key(self, seqs: list, steps: int, warmup: int) -> str:
+    def key(self, seqs: list, steps: int, warmup: int, seed: int | None = None) -> str:
         ids = sorted(s.id + ":" + store.stable_hash(s.input_ids) for s in seqs)
         shared = self.cfg.shared.model_dump(include=_TRAINING_SHARED)
-        return store.stable_hash({"recipe": self.recipe, "shared": shared, "ids": ids, "s": (steps, warmup)})
+        what = {"recipe": self.recipe, "shared": shared, "ids": ids, "s": (steps, warmup)}
+        if seed is not None:  # a seed replicate (05's own seed keeps the keys of earlier runs)
+            what["seed"] = seed
+        return store.stable_hash(what)
 
-    def arm(self, name: str, study: str, seqs: list, reuse_dir: Path | None = None, decoder=None) -> dict:
-        """Train (or load) the drafter of one arm and decode the held-out prompts (or `decoder`'s) with it."""
+    def arm(
+        self,
+        name: str,
+        study: str,
+        seqs: list,
+        reuse_dir: Path | None = None,
+        decoder=None,
+        seed: int | None = None,
+    ) -> dict:
+        """Train (or load) the drafter of one arm and decode the held-out prompts (or `decoder`'s) with it;
+        `seed` (default 05's) trains a seed replicate: the same recipe and data, another initialisation and
+        batch order."""
         decoder = decoder or self.decoder
         from eagle_lib.drafter.model import load_drafter, save_drafter
 
         steps, warmup = self.schedule(seqs)
-        key, t0 = self.key(seqs, steps, warmup), time.time()
+        key, t0 = self.key(seqs, steps, warmup, seed), time.time()
         ddir = self.out / "drafters" / key
         if reuse_dir is not None:
             drafter, how = load_drafter(reuse_dir, device=self.trainer.device), "05's final drafter"
         elif (ddir / "model.safetensors").exists():
             drafter, how = load_drafter(ddir, device=self.trainer.device), "cached"
         else:
-            drafter, log = self.trainer.train(seqs, steps, warmup, ddir, key)
+            drafter, log = self.trainer.train(seqs, steps, warmup, ddir, key, seed)
             save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
             how = "trained"
         eval_key = store.stable_hash(
@@ -114,7 +128,7 @@ class Study:
         info = {
             "arm": name, "study": study, "sequences": len(seqs), "tokens": subsets.tokens(seqs),
             "label_tokens": sum(sum(s.loss_mask) for s in seqs), "steps": steps, "drafter": how, "key": key,
-            "seconds": time.time() - t0,
+            "seed": self.cfg.shared.seed if seed is None else seed, "seconds": time.time() - t0,
         }  # fmt: skip
         self.arms[name] = info
         tau = decoder.sums.tau(name)
@@ -150,22 +164,45 @@ def reused_id(drafter_dir: Path) -> dict:
     return {"dir": str(drafter_dir), "weights": digest.hexdigest()}
 
 
+SEED_STRIDE = 10_000  # replicate r trains with seed + SEED_STRIDE * r: far from 05's per-epoch shuffle seeds
+
+
+def noise_fractions(p) -> list[float]:
+    """The curve fractions trained with `noise_seeds` more seeds: `p.noise_fractions`, default the two smallest."""
+    fr = sorted(set(p.fractions))
+    return sorted(set(p.noise_fractions)) if p.noise_fractions is not None else fr[:2]
+
+
+def seed_names(f: float, p) -> list[str]:
+    """Arm names of fraction f's drafters: 05's seed first, then its seed replicates."""
+    reps = p.noise_seeds if f in noise_fractions(p) else 0
+    return [f"{f:g}"] + [f"{f:g}@seed+{r}" for r in range(1, reps + 1)]
+
+
 def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
     fr = sorted(set(p.fractions))
     reuse = st.recipe.get("final_checkpoint", "last") == "last" and p.step_scale == 1.0 and p.reuse_05_drafter
+    seed = st.cfg.shared.seed
     for f in fr:
         final = st.cfg.out("drafter", "final")
-        st.arm(
-            f"{f:g}", "curve", subsets.fraction_subset(st.groups, f), final if f == 1.0 and reuse else None
-        )
-    names = [f"{f:g}" for f in fr]
+        sub = subsets.fraction_subset(st.groups, f)
+        st.arm(f"{f:g}", "curve", sub, final if f == 1.0 and reuse else None)
+        for r, name in enumerate(seed_names(f, p)[1:], start=1):  # training noise: the same data, other seeds
+            st.arm(name, "curve", sub, seed=seed + SEED_STRIDE * r)
+    names = [n for f in fr for n in seed_names(f, p)]
+    groups, at = [], 0
+    for f in fr:
+        k = len(seed_names(f, p))
+        groups.append(list(range(at, at + k)))
+        at += k
     num, den = st.decoder.sums.rows(names)
-    x = np.array([st.arms[n]["tokens"] for n in names]) / st.total
+    x = np.array([st.arms[f"{f:g}"]["tokens"] for f in fr]) / st.total
     draws = st.decoder.sums.datasets
     c = curves.learning_curve(
-        x, num, den, p.num_steps + 1, p.multipliers, p.bootstrap_reps, st.cfg.shared.seed, draws
+        x, num, den, p.num_steps + 1, p.multipliers, p.bootstrap_reps, seed, draws, groups
     )
-    return tables.curve_table(st, names), c
+    st.noise = c.noise  # the paired differences of the other studies carry the same training noise
+    return tables.curve_table(st, {f: seed_names(f, p) for f in fr}), c
 
 
 def lodo(st: Study, p) -> pd.DataFrame:

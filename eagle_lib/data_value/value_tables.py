@@ -37,16 +37,23 @@ def _eval_sets(st) -> list[str]:
     return sorted(set(st.decoder.sums.datasets)) + ["all"]
 
 
-def curve_table(st, names: list[str]) -> pd.DataFrame:
-    """Subsets (rows): share, tokens, steps, how the drafter was obtained, tau overall and per eval dataset."""
+def curve_table(st, arms: dict[float, list[str]]) -> pd.DataFrame:
+    """Subsets (rows): share, tokens, steps, how the drafter was obtained, the seeds trained, tau overall and per
+    eval dataset (a replicated subset: the mean over its seeds, as the fit takes it; `seed_taus` each seed's).
+    `arms`: fraction -> its drafters' arm names, 05's seed first."""
     rows = []
-    for n in names:
-        a = st.arms[n]
+    for f, names in arms.items():
+        a = st.arms[names[0]]
         row = {
-            "fraction": float(n),
+            "fraction": float(f),
             **{k: a[k] for k in ("sequences", "tokens", "label_tokens", "steps", "drafter")},
+            "seeds": len(names),
+            "seed_taus": " ".join(f"{st.decoder.sums.tau(n):.9f}" for n in names),
         }
-        row |= {f"tau_{e}": st.decoder.sums.tau(n, None if e == "all" else e) for e in _eval_sets(st)}
+        row |= {
+            f"tau_{e}": float(np.mean([st.decoder.sums.tau(n, None if e == "all" else e) for n in names]))
+            for e in _eval_sets(st)
+        }
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -59,7 +66,7 @@ def _paired(st, i: str, j: str, dataset: str, reps: int, seed: int, sums=None) -
     num, den = num[:, cols], den[:, cols]
     strata = [s.datasets[k] for k in cols] if dataset == "all" else None
     draws = curves.bootstrap_draws(len(cols), reps, seed, strata)
-    return curves.diff_interval(num, den, 0, 1, draws)
+    return curves.diff_interval(num, den, 0, 1, draws, noise=getattr(st, "noise", curves.NO_NOISE), seed=seed)
 
 
 def value_table(st, ref: str, arms: dict[str, str], units: dict[str, list[str]], p) -> pd.DataFrame:
@@ -168,6 +175,7 @@ def result(st, curve_df, c: curves.Curve, lodo: pd.DataFrame, regen: pd.DataFram
         "steps_rule": p.steps,  # proportional: every subset at the 05 epochs (tokens and compute grow together)
         "verdict": v["text"],
         "verdict_kind": v["kind"],
+        "training_noise": {"seed_sd": c.noise.sd, "dof": c.noise.dof, "text": c.noise.text()},
         "gain_2x": v["gain_2x"],
         "heldout_prompts": len(st.decoder.prompts),
         "arms": {n: {k: a[k] for k in ("tokens", "steps", "drafter")} for n, a in st.arms.items()},

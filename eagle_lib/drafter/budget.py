@@ -181,6 +181,8 @@ def arms_share(p07, n_datasets: int) -> float:
     """07's training work as a multiple of 05's (an upper bound: regen and multi-turn arms counted at full
     size)."""
     curve = sum(f for f in p07.fractions if f < 1 or not p07.reuse_05_drafter) * p07.step_scale
+    noisy = p07.noise_fractions if p07.noise_fractions is not None else sorted(set(p07.fractions))[:2]
+    curve += p07.noise_seeds * sum(set(noisy)) * p07.step_scale  # the seed replicates (training noise)
     units = len(p07.lodo_units) or n_datasets
     lodo = (units + 1) * p07.lodo_fraction if p07.lodo else 0.0
     regen = 2 * p07.regen_fraction if p07.regen else 0.0

@@ -109,25 +109,34 @@ class Trainer:
         ).per_epoch
         return recipe.total_steps(self.p05, per_epoch, self.world)
 
-    def new_drafter(self, seqs: list[batches.Sequence]):
-        """05's initialisation, with the draft vocab counted on `seqs`."""
+    def new_drafter(self, seqs: list[batches.Sequence], seed: int | None = None):
+        """05's initialisation (seeded by `seed`, default 05's), with the draft vocab counted on `seqs`."""
         counts = vocab.count_label_tokens(((s.input_ids, s.loss_mask) for s in seqs), self.config.vocab_size)
         d2t, t2d = vocab.build_vocab_map(counts, self.p.draft_vocab_size)
-        drafter = recipe.new_drafter(
-            self.config, d2t, t2d, self.p, self.shared.seed, self.embed, self.lm_head
-        )
+        seed = self.shared.seed if seed is None else seed
+        drafter = recipe.new_drafter(self.config, d2t, t2d, self.p, seed, self.embed, self.lm_head)
         recipe.frozen_in_bf16(drafter, self.autocast)
         return drafter.to(self.device)
 
-    def train(self, seqs: list[batches.Sequence], steps: int, warmup: int, work_dir: Path, key: str):
+    def train(
+        self,
+        seqs: list[batches.Sequence],
+        steps: int,
+        warmup: int,
+        work_dir: Path,
+        key: str,
+        seed: int | None = None,
+    ):
         """A fresh drafter trained on `seqs` for `steps` optimizer steps by 05's loop, checkpointing (and
-        resuming) under `work_dir` keyed by `key`; (drafter in eval mode, per-step log). The checkpoints are
-        removed once the drafter is trained."""
+        resuming) under `work_dir` keyed by `key`; (drafter in eval mode, per-step log). `seed` (default 05's)
+        seeds the initialisation and the batch order: another seed is another training run of the same recipe on
+        the same data. The checkpoints are removed once the drafter is trained."""
         p = self.p.model_copy(update={"stop_after_steps": 0})
-        drafter = self.new_drafter(seqs)
+        seed = self.shared.seed if seed is None else seed
+        drafter = self.new_drafter(seqs, seed)
         if hasattr(self.source, "prepare"):  # vllm: produce what 05 did not keep, in one producer session
             self.source.prepare(seqs)
-        stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, self.shared.seed)
+        stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, seed)
         if hasattr(self.source, "expect"):  # vllm, stream mode: the arm's micro-batches in the order fit asks
             self.source.expect(
                 stream.micro_batch(m)

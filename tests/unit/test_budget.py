@@ -74,8 +74,11 @@ def test_07_work_share_counts_every_arm():
 
     p = value.Params(fractions=[0.25, 0.5, 1.0], lodo_fraction=0.5, lodo_units={"a": ["x"], "b": ["y"]},
                      regen_fraction=0.5, multiturn=False)  # fmt: skip
-    # curve 0.25 + 0.5 (1.0 reuses 05's drafter); lodo (2 units + all) x 0.5; regen 2 arms x 0.5
-    assert budget.arms_share(p, 11) == pytest.approx(0.75 + 1.5 + 1.0)
+    # curve 0.25 + 0.5 (1.0 reuses 05's drafter) + a second seed at the two smallest (0.25 + 0.5);
+    # lodo (2 units + all) x 0.5; regen 2 arms x 0.5
+    assert budget.arms_share(p, 11) == pytest.approx(0.75 + 0.75 + 1.5 + 1.0)
+    p = p.model_copy(update={"noise_seeds": 2, "noise_fractions": [0.25]})
+    assert budget.arms_share(p, 11) == pytest.approx(0.75 + 2 * 0.25 + 1.5 + 1.0)
 
 
 def test_validate_prints_the_budget_or_why_not(tmp_path, capsys, monkeypatch):

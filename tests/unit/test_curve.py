@@ -99,3 +99,82 @@ def test_fit_is_as_good_as_scipys_bounded_least_squares(seed):
     assert f.sse <= sse + 0.05 * noise_sse  # the grid in c costs under 5% of the noise's residual
     ref = a - b * np.power(X, -c)
     np.testing.assert_allclose(f.predict(X), ref, atol=0.01)  # a third of the noise
+
+
+# ---------------------------------------------------------------- training noise (seed replicates)
+
+
+def test_seed_noise_pools_the_replicates_by_hand():
+    n = curve.SeedNoise.from_replicates([[1.0, 1.2], [2.0], [2.5, 2.9], [3.1]])
+    # within-point squares: (0.1^2 * 2) + (0.2^2 * 2) = 0.02 + 0.08 over (2-1) + (2-1) degrees of freedom
+    assert n.dof == 2 and n.sd == pytest.approx(math.sqrt(0.10 / 2)) and n.seeds == (2, 1, 2, 1)
+    none = curve.SeedNoise.from_replicates([[1.0], [2.0]])
+    assert none.dof == 0 and none.sd == 0.0 and not none.offsets(5, 0).any()
+    assert "not measured" in none.text() and "2 degrees of freedom" in n.text()
+
+
+def test_seed_noise_variance_draws_follow_the_scaled_inverse_chi_square():
+    n = curve.SeedNoise.from_replicates([[1.0, 1.2], [2.5, 2.9]])  # s^2 = 0.05, nu = 2
+    var = n.variances(40_000, seed=3)
+    # nu s^2 / chi^2_nu: its median is nu s^2 / median(chi^2_2), and chi^2_2's median is 2 ln 2
+    assert np.median(var) == pytest.approx(2 * 0.05 / (2 * math.log(2)), rel=0.03)
+    # P(sigma^2 > s^2) = P(chi^2_2 < 2) = 1 - exp(-1)
+    assert np.mean(var > 0.05) == pytest.approx(1 - math.exp(-1), abs=0.01)
+    off = n.offsets(40_000, seed=3)  # each point averages 2 seeds: offsets of variance sigma^2 / 2
+    assert off.shape == (40_000, 2)
+    ref = np.sqrt(var / 2) * np.random.default_rng([3, 104729]).standard_normal((40_000, 2))[:, 0]
+    np.testing.assert_allclose(off[:, 0], ref)
+
+
+def _study(rng, truth, sigma_train, replicated, prompt_sd=0.35, eps_sd=0.15, n_prompts=34, steps=20):
+    """Per-prompt sums of the curve's drafters: every drafter's tau is truth + its training noise; prompts differ
+    by an effect shared by every drafter (paired) plus a small per-drafter part. Returns num, den, groups."""
+    counts = [2 if i in replicated else 1 for i in range(len(truth))]
+    u = prompt_sd * rng.standard_normal(n_prompts)
+    rows = []
+    for i, k in enumerate(counts):
+        for _ in range(k):
+            e = sigma_train * rng.standard_normal()
+            rows.append(truth[i] + e + u + eps_sd * rng.standard_normal(n_prompts))
+    per = np.array(rows)
+    den = np.full(per.shape, float(steps))
+    groups, at = [], 0
+    for k in counts:
+        groups.append(list(range(at, at + k)))
+        at += k
+    return per * den, den, groups
+
+
+@pytest.mark.slow
+def test_training_noise_makes_the_gain_interval_cover_where_prompts_alone_do_not():
+    """Synthetic curves with a known law and known seed noise (sd 0.08 tau per drafter, as the toy's measured seed
+    spread): the 95% interval of the doubling gain covers the true gain in most studies when two points carry a
+    second seed (the stage's default), and far less often from the prompt bootstrap alone (the old intervals)."""
+    rng = np.random.default_rng(0)
+    truth = law(X, a=3.8, b=0.6, c=0.5)
+    true_gain = float(law(2.0, 3.8, 0.6, 0.5) - law(1.0, 3.8, 0.6, 0.5))
+    trials, reps, covered_new, covered_old, widths = 60, 100, 0, 0, []
+    for t in range(trials):
+        num, den, groups = _study(rng, truth, 0.08, replicated={0, 1})
+        new = curve.learning_curve(X, num, den, 4.0, [2.0], reps, seed=t, groups=groups).gain(2.0)
+        first = [g[0] for g in groups]  # the same study without its replicates: prompts only, as before
+        old = curve.learning_curve(X, num[first], den[first], 4.0, [2.0], reps, seed=t).gain(2.0)
+        covered_new += new["lo"] <= true_gain <= new["hi"]
+        covered_old += old["lo"] <= true_gain <= old["hi"]
+        widths.append((new["hi"] - new["lo"], old["hi"] - old["lo"]))
+    assert covered_new / trials >= 0.85, (covered_new, covered_old, np.median(widths, axis=0))
+    assert covered_old / trials <= 0.75, (covered_new, covered_old, np.median(widths, axis=0))
+
+
+def test_paired_difference_interval_widens_by_the_training_noise_of_two_drafters():
+    num, den = prompt_sums([2.0, 2.0], n_prompts=40, noise=0.0)  # identical drafters: no prompt noise at all
+    draws = curve.bootstrap_draws(40, 4000, seed=1)
+    flat = curve.diff_interval(num, den, 0, 1, draws)
+    assert flat["lo"] == flat["hi"] == 0.0
+    n = curve.SeedNoise(
+        0.1, 1000, (1, 1)
+    )  # nearly known sigma: the difference is normal with sd 0.1 * sqrt(2)
+    d = curve.diff_interval(num, den, 0, 1, draws, noise=n, seed=1)
+    half = 1.96 * 0.1 * math.sqrt(2)
+    assert d["lo"] == pytest.approx(-half, rel=0.06) and d["hi"] == pytest.approx(half, rel=0.06)
+    assert not d["measurable"]
