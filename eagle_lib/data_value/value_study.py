@@ -189,12 +189,12 @@ def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
         st.arm(f"{f:g}", "curve", sub, final if f == 1.0 and reuse else None)
         for r, name in enumerate(seed_names(f, p)[1:], start=1):  # training noise: the same data, other seeds
             st.arm(name, "curve", sub, seed=seed + SEED_STRIDE * r)
-    names = [n for f in fr for n in seed_names(f, p)]
-    groups, at = [], 0
-    for f in fr:
-        k = len(seed_names(f, p))
-        groups.append(list(range(at, at + k)))
-        at += k
+    arms = {f: seed_names(f, p) for f in fr}
+    names = [n for ns in arms.values() for n in ns]
+    ends = np.cumsum([len(ns) for ns in arms.values()])
+    groups = [
+        list(range(e - len(ns), e)) for e, ns in zip(ends, arms.values(), strict=True)
+    ]  # point -> its rows
     num, den = st.decoder.sums.rows(names)
     x = np.array([st.arms[f"{f:g}"]["tokens"] for f in fr]) / st.total
     draws = st.decoder.sums.datasets
@@ -202,7 +202,7 @@ def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
         x, num, den, p.num_steps + 1, p.multipliers, p.bootstrap_reps, seed, draws, groups
     )
     st.noise = c.noise  # the paired differences of the other studies carry the same training noise
-    return tables.curve_table(st, {f: seed_names(f, p) for f in fr}), c
+    return tables.curve_table(st, arms), c
 
 
 def lodo(st: Study, p) -> pd.DataFrame:
