@@ -142,6 +142,27 @@ class SeedNoise:
 NO_NOISE = SeedNoise(0.0, 0, ())
 
 
+def quantiles(values, qs) -> np.ndarray:
+    """Linear-interpolation quantiles that allow +-inf among the values: a quantile that puts any weight on an
+    infinite neighbour is that infinity (numpy's interpolation turns inf - inf into NaN there)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    if v.size == 0 or np.isnan(v).any():
+        raise ValueError(f"quantiles: need non-empty values without NaN (got {v.size} values)")
+    out = []
+    for q in np.atleast_1d(qs):
+        pos = float(q) * (v.size - 1)
+        i, j = math.floor(pos), math.ceil(pos)
+        t = pos - i
+        a, b = v[i], v[j]
+        if t == 0 or a == b:
+            out.append(a)
+        elif not math.isfinite(a) or not math.isfinite(b):
+            out.append(b if t > 0 and not math.isfinite(b) else a)
+        else:
+            out.append(a + (b - a) * t)
+    return np.array(out)
+
+
 @dataclass
 class Curve:
     """The fitted curve, its bootstrap fits and the projections asked for."""
@@ -178,7 +199,7 @@ class Curve:
     def tokens_for(self, tau: float, q: float = 0.95) -> dict:
         """Relative tokens to reach tau: fit and bootstrap interval (inf: beyond the fitted ceiling)."""
         t = [f.tokens_for(tau) for f in self.boot] or [self.fit.tokens_for(tau)]
-        lo, hi = np.quantile(np.asarray(t, dtype=float), [(1 - q) / 2, (1 + q) / 2])
+        lo, hi = quantiles(t, [(1 - q) / 2, (1 + q) / 2])  # draws beyond their ceiling are inf
         reach = float(np.mean(np.isfinite(t)))
         return {
             "target_tau": tau,

@@ -178,3 +178,25 @@ def test_paired_difference_interval_widens_by_the_training_noise_of_two_drafters
     half = 1.96 * 0.1 * math.sqrt(2)
     assert d["lo"] == pytest.approx(-half, rel=0.06) and d["hi"] == pytest.approx(half, rel=0.06)
     assert not d["measurable"]
+
+
+def test_tokens_for_target_interval_is_infinite_not_nan_when_draws_pass_their_ceiling():
+    """Bootstrap fits whose ceiling lies below the target give inf tokens; the interval's upper end there is inf
+    (numpy's interpolation made it NaN, with a RuntimeWarning in the 07 report), and finite draws interpolate
+    as numpy does."""
+    import warnings
+
+    below = [curve.Fit(3.0, 1.0, 0.5, 0.0)] * 3  # ceiling 3.0 < target 3.1: inf tokens
+    above = [curve.Fit(3.2 + 0.01 * k, 1.0, 0.5, 0.0) for k in range(37)]
+    c = curve.Curve(X, law(X), above[0], above + below, 4.0, [2.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = c.tokens_for(3.1)
+    assert t["hi"] == math.inf and math.isfinite(t["lo"])
+    assert t["p_reach"] == pytest.approx(37 / 40)
+    finite = sorted(f.tokens_for(3.1) for f in above)
+    assert t["lo"] == pytest.approx(float(np.quantile(finite + [math.inf] * 3, 0.025)))
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal(51)
+    assert curve.quantiles(v, [0.025, 0.5, 0.9]) == pytest.approx(np.quantile(v, [0.025, 0.5, 0.9]))
+    assert list(curve.quantiles([1.0, 2.0, math.inf, math.inf], [0.0, 0.975])) == [1.0, math.inf]
