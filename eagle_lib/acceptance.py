@@ -285,6 +285,25 @@ def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load)
     )
 
 
+def reproducibility(p: Params, seed: int, target) -> dict:
+    """06's meta: what its tau is a function of, and what can make a rerun of the same record differ."""
+    notes = [
+        machine.SAME_BITS
+        + " (offline: T > 0 samples are seeded per (seed, temperature, dataset, prompt id); "
+        "tested: a rerun writes the same generations)",
+        "another thread count or CPU can flip a near-tie of the target's logits, and the answer diverges from there",
+    ]
+    device = str(target.device) if target is not None else "none (offline: false)"
+    if device.startswith("cuda"):
+        notes.append(machine.ON_CUDA)
+    if p.online_engine != "none":
+        notes.append(
+            f"online ({p.online_engine}): the server's batching and its sampler are outside this run; online tau "
+            f"repeats only to online_tolerance ({p.online_tolerance})"
+        )
+    return {**machine.run_record(seed, device), "same_bits": notes}
+
+
 def _models(cfg: params.StageConfig, drafter_dir: Path):
     """(target or None, drafter or None, target text config dict): loaded only when decoding offline."""
     from eagle_lib import models
@@ -375,6 +394,7 @@ def run(cfg: params.StageConfig) -> Eval:
     }
     h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on)
     meta = {**tally, "eval_sets": set_tally, "params": p.model_dump(), "drafter_dir": str(drafter_dir),
-            "shared": shared.model_dump(mode="json"), "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()}}  # fmt: skip
+            "shared": shared.model_dump(mode="json"), "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()},
+            "reproducibility": reproducibility(p, shared.seed, target)}  # fmt: skip
     store.write_meta(out, meta, started, tally=True)
     return Eval(tau, pos, hist, ctx, pf, on, live, h, h["answer"], p.reference_text, out)

@@ -27,6 +27,21 @@ TRAINER_FILE = "trainer.json"
 BEST = "best_measured"
 
 
+def state_digest(state: dict) -> str:
+    """sha256 of a state dict's tensors (names, dtypes, shapes and bytes, in name order): two runs with the same
+    digest ended on the same bits (the safetensors files also carry a summary with times, so their bytes differ)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def drafter_state(model_state: dict) -> dict:
     """TTT-wrapper keys (drafter.*) -> drafter state-dict keys."""
     return {k.removeprefix("drafter."): v for k, v in model_state.items()}

@@ -235,12 +235,31 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     summary["measured"] = measure.summary(history, chosen, why_not, p)
     summary["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: load-independent on CPU
     summary["sequence_parallel"] = unroll.shard.size  # ranks that split each row (the TTT module's own group)
-    _finish(cfg, model, drafter.config, summary, tally, t_start, fp)
+    _finish(cfg, model, drafter.config, summary, tally, t_start, fp, device)
     distributed.shutdown()
     return summary
 
 
-def _finish(cfg, model, config, summary, tally, t_start, fp: str) -> None:
+def reproducibility(cfg, device, world: int, model_state: dict) -> dict:
+    """05's meta: what the final weights are a function of, their digest (compare two runs by it), and what can
+    make a rerun of the same record end on other bits."""
+    p = cfg.stage
+    caveats = [machine.SAME_BITS + " (tested on CPU: two 05 runs of one record end on one digest)"]
+    if torch.device(device).type == "cuda":
+        caveats.append(machine.ON_CUDA)
+    if p.hidden_source == "vllm":
+        caveats.append(
+            "hidden_source vllm: the producers' hidden states depend on how vLLM batched each request (its "
+            "kernels' reduction order), so reruns agree to rounding, not bit for bit"
+        )
+    return {
+        **machine.run_record(cfg.shared.seed, str(device), world),
+        "weights_sha256": checkpoints.state_digest(checkpoints.drafter_state(model_state)),
+        "same_bits": caveats,
+    }
+
+
+def _finish(cfg, model, config, summary, tally, t_start, fp: str, device) -> None:
     model_state = distributed.full_model_state(model)
     if not distributed.is_main():
         return
@@ -268,5 +287,6 @@ def _finish(cfg, model, config, summary, tally, t_start, fp: str) -> None:
         "inputs": batches.data_fingerprint(cfg.run_dir),
         "fingerprint": fp,
         "world_size": summary["world_size"],  # 07 trains 05's recipe as one process of world x grad_accum
+        "reproducibility": reproducibility(cfg, device, summary["world_size"], model_state),
     }
     store.write_meta(out, meta, t_start, tally=True)

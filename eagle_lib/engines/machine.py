@@ -87,6 +87,42 @@ def vllm_ops_build(python: Path) -> str:
     return lines[-1] if out.returncode == 0 and lines else f"unknown (exit {out.returncode})"
 
 
+# What can still move a run's numbers when everything run_record stores matches (each stage adds its own).
+SAME_BITS = (
+    "a rerun repeats the same bits when everything recorded here matches: the seed, torch's thread counts (oneDNN "
+    "and MKL split reductions by thread), the CPU model and ISA (they pick the kernels), the torch build, the "
+    "device, the world size and the same inputs"
+)
+ON_CUDA = (
+    "CUDA: torch.use_deterministic_algorithms is off (atomic adds in backward kernels), so reruns on a GPU agree "
+    "to rounding, not bit for bit, and the difference grows over steps"
+)
+
+
+def run_record(seed: int, device: str, world_size: int = 1, cpuinfo_path: str = "/proc/cpuinfo") -> dict:
+    """What this process's numbers are a function of beside its inputs and params: the seed, torch's threads,
+    the CPU and its ISA flags, the library builds, the device and the world size (for a stage's meta.json)."""
+    import numpy
+    import torch
+
+    try:
+        model, flags = cpu_model_and_flags(Path(cpuinfo_path).read_text())
+    except OSError:
+        model, flags = "unknown", {}
+    return {
+        "seed": seed,
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "cpu": model,
+        "isa": sorted(f for f, v in flags.items() if v),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "device": str(device),
+        "world_size": world_size,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
 def describe(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     from eagle_lib.engines.vllm_server import vllm_python
 

@@ -113,6 +113,14 @@ def test_run_on_tiny_run_dir(tmp_path):
     assert (run_dir / "eval" / "export" / "speculators" / "config.json").exists()
     gens = store.read_jsonl(run_dir / "eval" / "generations.jsonl")
     assert len(gens) == 18  # 3 prompts x 3 methods x 2 T
+    # what the bits depend on; a rerun of one record repeats every token (T=1 too)
+    rec = meta["reproducibility"]
+    assert rec["seed"] == shared.seed and rec["threads"] == torch.get_num_threads() and rec["device"] == "cpu"
+    assert any("thread" in n for n in rec["same_bits"])
+    acceptance.run(params.StageConfig("06_eval_acceptance", run_dir, shared, p))
+    timeless = [{k: v for k, v in g.items() if not k.endswith("_s")} for g in gens]
+    again = [{k: v for k, v in g.items() if not k.endswith("_s")} for g in store.read_jsonl(run_dir / "eval" / "generations.jsonl")]  # fmt: skip
+    assert again == timeless and any(g["temperature"] == 1.0 and g["output_ids"] for g in again)
     # stop_token_ids replaces the target's stop ids: the first token the target wrote now ends that answer
     first = next(g for g in gens if g["method"] == "none" and g["temperature"] == 0)
     assert len(first["output_ids"]) == 12 and meta["stop_ids"] != first["output_ids"][:1]

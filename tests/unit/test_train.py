@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from eagle_lib import store, train
+from eagle_lib import params, store, train
 from eagle_lib.drafter import batches, trainer, ttt
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, load_drafter
 from tests.support import eagle_tiny
@@ -503,3 +503,29 @@ def test_bf16_precision_holds_the_frozen_embedding_in_bf16_and_trains(world, tmp
     wa, wb = load_drafter(full / "drafter/final"), load_drafter(cut / "drafter/final")
     for key, v in wa.state_dict().items():
         torch.testing.assert_close(v, wb.state_dict()[key], rtol=1e-5, atol=1e-6)
+
+
+def test_05_meta_records_what_its_bits_depend_on_and_a_digest_two_runs_of_one_record_share(world, tmp_path):
+    """05's meta.json says what makes a run bit-reproducible (seed, threads, CPU and ISA, builds, device, world
+    size) and digests its final weights: two runs of one record end on the same bits (compared tensor by
+    tensor, not by the digest) and one digest; another seed ends elsewhere, and its digest says so."""
+    root, _ = world
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        cfg = eagle_tiny.stage_config(copy_run(world, tmp_path / name), root / "target")
+        cfg = params.StageConfig(
+            cfg.name, cfg.run_dir, cfg.shared.model_copy(update={"seed": seed}), cfg.stage
+        )
+        train.run(cfg)
+        meta = store.read_json(cfg.run_dir / "drafter/meta.json")
+        runs[name] = (meta["reproducibility"], load_drafter(cfg.run_dir / "drafter/final").state_dict())
+    rec, wa = runs["a"]
+    assert rec["seed"] == 0 and rec["threads"] == 1 and rec["device"] == "cpu" and rec["world_size"] == 1
+    assert rec["torch"] == torch.__version__ and rec["cpu"] and isinstance(rec["isa"], list)
+    assert any("thread" in c for c in rec["same_bits"])
+    wb = runs["b"][1]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert runs["b"][0]["weights_sha256"] == rec["weights_sha256"]
+    wc = runs["c"][1]
+    assert runs["c"][0]["seed"] == 1 and not all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert runs["c"][0]["weights_sha256"] != rec["weights_sha256"]
