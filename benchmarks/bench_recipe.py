@@ -6,10 +6,13 @@ directory per variant). Each trained drafter is then decoded greedily on 06's he
 per dataset, ``--new-tokens`` tokens, ``--drafts`` drafts per verify step; `eagle_lib.serving.heldout_tau`, as 06
 and 07 decode), and one line per variant prints its tau, the held-out teacher-forced accuracy per position, the
 tau measured while training, the wall time of its 05 and the drafter/target step-cost ratio of its decode (a wider
-draft MLP costs more per draft). ``--seed`` sets the shared seed (initialisation and data order). Results are
+draft MLP costs more per draft). ``--seeds`` trains every variant once per shared seed (initialisation and data
+order) and ends on a table per variant: tau per seed, their mean and sample standard deviation, and the mean's
+difference to the first variant (seed by seed, so the recipes are compared on the same seeds). Results are
 appended as JSON lines to ``--out``.
 
     nice -n 5 .venv/bin/python benchmarks/bench_recipe.py --steps 200 --variants baseline norm_before_residual
+    nice -n 5 .venv/bin/python benchmarks/bench_recipe.py --steps 200 --variants baseline muon --seeds 0 1 2
 
 Two processes on different variants can share a machine; wall times then include the other's load.
 """
@@ -212,6 +215,30 @@ def stage_config(
     )
 
 
+def seed_table(rows: list[dict]) -> str:
+    """Markdown table of the rows' tau per variant across seeds: per seed, mean, sample sd (n - 1; blank for one
+    seed), and the mean paired difference to the first variant over the seeds both ran."""
+    import math
+
+    by: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by.setdefault(r["variant"], {})[r["seed"]] = r["tau"]
+    first = next(iter(by), None)
+    lines = ["| variant | tau per seed | mean | sd | minus the first variant |", "|---|---|---|---|---|"]
+    for name, taus in by.items():
+        v = list(taus.values())
+        mean = sum(v) / len(v)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else None
+        shared = [s for s in taus if s in by[first]]
+        diff = sum(taus[s] - by[first][s] for s in shared) / len(shared) if shared and name != first else None
+        per = ", ".join(f"{s}: {t:.3f}" for s, t in sorted(taus.items()))
+        lines.append(
+            f"| {name} | {per} | {mean:.3f} | {'' if sd is None else f'{sd:.3f}'} | "
+            f"{'' if diff is None else f'{diff:+.3f} ({len(shared)} seeds)'} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", default=str(ROOT / "outputs" / "toy"))
@@ -224,8 +251,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench_recipe/results.jsonl")
     ap.add_argument("--keep", action="store_true", help="keep each variant's work directory")
     ap.add_argument(
-        "--seed", type=int, default=None, help="shared seed (init, data order); default toy.yaml's"
-    )
+        "--seeds", "--seed", type=int, nargs="+", default=[None],
+        help="shared seeds (init, data order), each variant trained once per seed; default toy.yaml's",
+    )  # fmt: skip
     a = ap.parse_args()
     run_dir = Path(a.run_dir)
     if not list(run_dir.glob("infer/*/responses.jsonl")):
@@ -251,9 +279,10 @@ def main() -> None:
         f"{len(prompts)} held-out prompts x {a.new_tokens} tokens, {a.drafts} drafts, {a.steps} steps",
         flush=True,
     )
-    for name, over in specs:
+    rows = []
+    for (name, over), seed in ((v, s) for v in specs for s in a.seeds):
         work = Path(tempfile.mkdtemp(prefix=f"recipe_{name}_", dir=out.parent))
-        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every, a.seed)
+        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every, seed)
         t0 = time.perf_counter()
         with ema_weights(over.get("_ema_decay", 0.0)):
             summary = train.run(cfg)
@@ -279,14 +308,17 @@ def main() -> None:
         }
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        rows.append(row)
         acc = [round(x, 3) for x in row["heldout_acc"]]
         print(
-            f"{name:24s} steps {row['steps']:4d}  tau {tau:.3f}  heldout acc {acc}  measured {curve}  "
+            f"{name:24s} seed {row['seed']}  steps {row['steps']:4d}  tau {tau:.3f}  heldout acc {acc}  measured {curve}  "
             f"05 {train_s:.0f} s  draft/target step cost {decoder.cost_ratio:.2f}",
             flush=True,
         )
         if not a.keep:
             shutil.rmtree(work)
+    print(f"\ntau at T=0 per seed ({len(prompts)} held-out prompts x {a.new_tokens} tokens, {a.steps} steps)")
+    print(seed_table(rows))
 
 
 if __name__ == "__main__":

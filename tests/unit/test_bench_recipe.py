@@ -1,0 +1,31 @@
+"""benchmarks/bench_recipe.py's seed table: per-variant mean and spread across seeds, against statistics."""
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_recipe  # noqa: E402
+
+
+def test_seed_table_states_each_seed_the_mean_the_sample_sd_and_the_paired_difference():
+    rows = [
+        {"variant": "baseline", "seed": 0, "tau": 3.70},
+        {"variant": "baseline", "seed": 1, "tau": 3.76},
+        {"variant": "baseline", "seed": 2, "tau": 3.64},
+        {"variant": "muon", "seed": 0, "tau": 3.80},
+        {"variant": "muon", "seed": 2, "tau": 3.71},
+        {"variant": "solo", "seed": 5, "tau": 3.5},
+    ]
+    lines = bench_recipe.seed_table(rows).splitlines()
+    assert len(lines) == 5
+    base, muon, solo = (ln.split("|")[1:-1] for ln in lines[2:])
+    assert base[0].strip() == "baseline" and base[1].strip() == "0: 3.700, 1: 3.760, 2: 3.640"
+    assert float(base[2]) == round(statistics.mean([3.70, 3.76, 3.64]), 3)
+    assert float(base[3]) == round(statistics.stdev([3.70, 3.76, 3.64]), 3)
+    assert base[4].strip() == ""
+    # muon ran seeds 0 and 2: compared with baseline's same seeds ((0.10 + 0.07) / 2), not with its mean
+    assert muon[4].strip() == "+0.085 (2 seeds)"
+    assert float(muon[3]) == round(statistics.stdev([3.80, 3.71]), 3)
+    assert solo[3].strip() == "" and solo[4].strip() == ""  # one seed: no spread, no shared seed
