@@ -202,42 +202,53 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
             f"{cfg.name}: optimizer muon needs whole matrices; FSDP shards them (use ddp)"
         )
     source, drafter, train_seqs, held, tally, vinfo = build(cfg, device, fp)
-    stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
-    world = distributed.data_world(p.sequence_parallel)[1]
-    total = recipe.total_steps(p, stream.per_epoch, world)
-    attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
-    if p.loss_chunk and hasattr(source, "lazy_logits"):
-        source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)
-    shard = seqpar.groups(distributed.world()[1], distributed.world()[0], p.sequence_parallel)
-    unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-                     p.checkpoint_steps, shard)  # fmt: skip
-    model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
-    opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
-    scheds = recipe.schedules(opts, p, total)
-    if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
-        shutil.rmtree(checkpoints.directory(out, fp))  # asked to start over: only these settings' checkpoints
-    distributed.barrier()
-    meter, why_not = measure.meter_for(cfg, source, held)
-    hook = _measure(cfg, model, meter, fp, drafter.config, total)
-    history = fit(cfg.name, p, model, opts, scheds, source, stream, device, k, decay, total, fp, drafter.config,
-                  out, hook)  # fmt: skip
-    if len(history) < total:  # stop_after_steps: the next run resumes
-        stopped = {"stopped_at_step": len(history), "total_steps": total}
-        if distributed.is_main():
-            store.write_json(out / "stopped.json", stopped)
+    try:  # the source (vllm: the buffer's trainer lock, its producers) is closed however this ends
+        stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
+        world = distributed.data_world(p.sequence_parallel)[1]
+        total = recipe.total_steps(p, stream.per_epoch, world)
+        attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
+        if p.loss_chunk and hasattr(source, "lazy_logits"):
+            source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)
+        shard = seqpar.groups(distributed.world()[1], distributed.world()[0], p.sequence_parallel)
+        unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
+                         p.checkpoint_steps, shard)  # fmt: skip
+        model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
+        opts = optim.build(
+            model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay
+        )
+        scheds = recipe.schedules(opts, p, total)
+        if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
+            shutil.rmtree(
+                checkpoints.directory(out, fp)
+            )  # asked to start over: only these settings' checkpoints
+        distributed.barrier()
+        meter, why_not = measure.meter_for(cfg, source, held)
+        hook = _measure(cfg, model, meter, fp, drafter.config, total)
+        history = fit(cfg.name, p, model, opts, scheds, source, stream, device, k, decay, total, fp, drafter.config,
+                      out, hook)  # fmt: skip
+        if len(history) < total:  # stop_after_steps: the next run resumes
+            stopped = {"stopped_at_step": len(history), "total_steps": total}
+            if distributed.is_main():
+                store.write_json(out / "stopped.json", stopped)
+            distributed.shutdown()
+            return stopped
+        chosen = checkpoints.load_best(out, fp, drafter) if p.final_checkpoint == "best_measured" else None
+        heldout = ttt.evaluate(
+            model, source, held, p.pack_len, p.rows_per_batch, device, use_autocast(p, device)
+        )
+        summary = ttt.run_summary(history, heldout, vinfo, tally, k, decay, total, world)
+        if hasattr(source, "summary"):  # vllm: bytes/token, peak buffer, producer vs trainer throughput
+            summary["hidden"] = source.summary()
+        summary["measured"] = measure.summary(history, chosen, why_not, p)
+        summary["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: load-independent on CPU
+        summary["sequence_parallel"] = unroll.shard.size  # ranks that split each row (the TTT module's group)
+        _finish(cfg, model, drafter.config, summary, tally, t_start, fp, device)
         distributed.shutdown()
-        return stopped
-    chosen = checkpoints.load_best(out, fp, drafter) if p.final_checkpoint == "best_measured" else None
-    heldout = ttt.evaluate(model, source, held, p.pack_len, p.rows_per_batch, device, use_autocast(p, device))
-    summary = ttt.run_summary(history, heldout, vinfo, tally, k, decay, total, world)
-    if hasattr(source, "summary"):  # vllm: bytes/token, peak buffer, producer vs trainer throughput
-        summary["hidden"] = source.summary()
-    summary["measured"] = measure.summary(history, chosen, why_not, p)
-    summary["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: load-independent on CPU
-    summary["sequence_parallel"] = unroll.shard.size  # ranks that split each row (the TTT module's own group)
-    _finish(cfg, model, drafter.config, summary, tally, t_start, fp, device)
-    distributed.shutdown()
-    return summary
+        return summary
+
+    finally:
+        if hasattr(source, "close"):
+            source.close()
 
 
 def reproducibility(cfg, device, world: int, model_state: dict) -> dict:

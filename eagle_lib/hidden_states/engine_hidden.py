@@ -103,8 +103,9 @@ def producer_config(
     }
 
 
-def launch(buf: Path, i: int, n: int, session: str, cpu: bool) -> subprocess.Popen:
-    """Producer i of n on buffer `buf` in the vLLM venv, in its own process group (stopped by `stop`)."""
+def launch(buf: Path, i: int, n: int, session: str, cpu: bool, plan_session: str = "") -> subprocess.Popen:
+    """Producer i of n on buffer `buf` in the vLLM venv, in its own process group (stopped by `stop`, through
+    the stop file of `session`); `plan_session`: the plan it serves (plan.json's ``session``)."""
     from eagle_lib.engines.vllm_server import cpu_env, vllm_python
 
     py = vllm_python()
@@ -115,6 +116,7 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool) -> subprocess.Pop
         env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
     cmd = [str(py), "-m", "eagle_lib.hidden_states.vllm_producer", "--buffer", str(buf)]
     cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{session}"]
+    cmd += ["--session", plan_session] if plan_session else []
     with open(buf / f"producer_{i}.log", "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -124,11 +126,44 @@ COMMAND_FILE = (
 )
 
 
-def external_producers(buf: Path, n: int, log=print) -> list[str]:
+TRAINER_LOCK = "TRAINER.lock"  # held (flock) by the one trainer process reading a buffer; its pid inside
+
+
+def take_buffer(buf: Path):
+    """The buffer's trainer lock (an open file holding an exclusive flock, released when closed or when the
+    process dies); raises when another trainer holds it: two consumers would take each other's units."""
+    import fcntl
+
+    f = open(buf / TRAINER_LOCK, "a+")  # noqa: SIM115  (held for the source's lifetime)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RuntimeError(
+            f"{buf}: another trainer (pid {holder}) is reading this buffer; two would consume each other's units. "
+            "Stop it (a 05 or a killed run's surviving rank), or give this run another hidden_dump_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _release(procs: list[subprocess.Popen], stop_file: Path, lock) -> None:
+    stop(procs, stop_file)
+    lock.close()
+
+
+def external_producers(buf: Path, n: int, log=print, session: str = "") -> list[str]:
     """``start_producers: false``: the commands that serve this buffer (run them on the serving nodes, from the
-    repository, with the vLLM venv), written to ``<buf>/COMMAND`` and printed; returns them."""
+    repository, with the vLLM venv), written to ``<buf>/COMMAND`` and printed; returns them. With `session` (the
+    plan's), a producer started from this command refuses a buffer that a later trainer run has planned again."""
+    tail = f" --session {session}" if session else ""
     cmds = [f".venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer {buf} --index {i} --count {n}"
-            for i in range(n)]  # fmt: skip
+            f"{tail}" for i in range(n)]  # fmt: skip
     (buf / COMMAND_FILE).write_text("\n".join(cmds) + "\n")
     log(
         f"waiting for {n} producer(s) started by hand on {buf} (start_producers: false); run:\n  "
@@ -219,7 +254,13 @@ class VllmHidden:
         self.session = f"{os.getpid()}-{time.time_ns()}"  # one trainer run (served.jsonl groups by it)
         self.made = self._to_make(start)
         self.buf.mkdir(parents=True, exist_ok=True)
+        lock = take_buffer(self.buf)  # before touching anything in it
         (self.buf / "STOP").unlink(missing_ok=True)
+        # an earlier run's request and its producers' states: a watcher on the serving nodes must not act on
+        # that COMMAND, nor this rank read a stale "done" or "failed" as its own producers' word
+        (self.buf / COMMAND_FILE).unlink(missing_ok=True)
+        for f in self.buf.glob("producer_*.json"):
+            f.unlink()
         self._write_plan(tokens, producer_cfg)
         hb.write_json(self.buf / "cursor.json", {"next": start})
         if not keep:  # consumed before the checkpoint we resume from
@@ -231,10 +272,13 @@ class VllmHidden:
         )
         if start_producers and missing:
             cpu = self.device.type == "cpu"
-            self.procs = [launch(self.buf, i, num_producers, self.session, cpu) for i in range(num_producers)]
+            self.procs = [launch(self.buf, i, num_producers, self.session, cpu, self.plan_session)
+                          for i in range(num_producers)]  # fmt: skip
         elif missing:
-            external_producers(self.buf, num_producers)
-        self._finalizer = weakref.finalize(self, stop, self.procs, self.buf / f"STOP.{self.session}")
+            external_producers(self.buf, num_producers, session=self.plan_session)
+        self._finalizer = weakref.finalize(
+            self, _release, self.procs, self.buf / f"STOP.{self.session}", lock
+        )
 
     def _to_make(self, start: int) -> list[list[str]]:
         """Per unit, the sequences the producers make: those neither kept in the store nor (when keeping)
@@ -254,13 +298,18 @@ class VllmHidden:
         index = {k: i for i, k in enumerate(keys)}
         self.lengths = {k: len(tokens[k]) for unit in self.units for k in unit}
         plan = {"units": [[index[k] for k in u] for u in self.made]}
-        if hb.read_json(self.buf / "plan.json") != plan:  # the store changed since: units made ahead are void
+        old = hb.read_json(self.buf / "plan.json") or {}
+        if old.get("units") != plan["units"]:  # the store changed since: units made ahead are void
             for f in self.buf.glob("unit_*"):
                 f.unlink()
             with open(self.buf / "sequences.jsonl.tmp", "w") as f:
                 f.writelines(json.dumps(tokens[k]) + "\n" for k in keys)
             os.replace(self.buf / "sequences.jsonl.tmp", self.buf / "sequences.jsonl")
-            hb.write_json(self.buf / "plan.json", plan)
+        # a session names the plan: a producer started for another plan refuses this one. The same units keep
+        # their session, so producers already serving them (a trainer restarted on the same plan) go on
+        same = old.get("units") == plan["units"] and old.get("session")
+        self.plan_session = old["session"] if same else self.session
+        hb.write_json(self.buf / "plan.json", {**plan, "session": self.plan_session})
         hb.write_json(self.buf / "producer_config.json", producer_cfg)  # the bound may change on resume
         self.max_bytes = producer_cfg["max_buffer_bytes"]
 

@@ -4,12 +4,17 @@ One buffer directory per plan (``<root>/<plan key>/rank<r>/``)::
 
     producer_config.json   target, layer ids, dtypes, TP, connector, the byte bound
     sequences.jsonl        line i: the token ids of sequence i (train then held-out)
-    plan.json              {"units": [[sequence index, ...], ...]}: unit u = the u-th source call of the trainer
+    plan.json              {"units": [[sequence index, ...], ...], "session": s}: unit u = the u-th source call of
+                           the trainer; s names the plan (kept while the units stay the same): a producer started
+                           with ``--session`` for another plan refuses this one
+    COMMAND                start_producers: false: the producer command lines for this plan (removed, with
+                           every producer_<i>.json, when a trainer run starts on the buffer, then rewritten)
     cursor.json            {"next": u}: the trainer has consumed every unit < u (written by the trainer)
     unit_NNNNNNNN.safetensors  hidden_states [N, n_ids, H] (storage dtype), token_ids [N], lengths [n_seq]
                            (float8_e4m3fn also scale [N, n_ids] float32: value = stored x scale)
     producer_<i>.json      producer i's own accounting: peak/pending bytes, tokens, busy and blocked seconds
     STOP, STOP.<session>   stop every producer (by hand) / those one trainer session started
+    TRAINER.lock           flock of the one trainer process reading the buffer (its pid): a second is refused
 
 Producer ``i`` of ``n`` makes the non-empty units ``u % n == i`` in order (a unit whose sequences are all
 kept, `eagle_lib.hidden_states.hidden_store`, is planned empty and never made). A unit's file appears by rename, so a file that

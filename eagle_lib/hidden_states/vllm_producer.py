@@ -98,14 +98,19 @@ def read_request_file(path: str) -> dict:
 make_engine = VllmPrefill  # tests substitute an engine with the same prefill()
 
 
+class StalePlan(SystemExit):
+    """The buffer's plan belongs to another trainer run than the one this producer was started for."""
+
+
 class Producer:
-    def __init__(self, buf: Path, index: int, count: int, stop_file: str = "STOP"):
-        self.buf, self.index, self.count = buf, index, count
+    def __init__(self, buf: Path, index: int, count: int, stop_file: str = "STOP", session: str = ""):
+        self.buf, self.index, self.count, self.session = buf, index, count, session
         self.stop_files = [buf / "STOP", buf / stop_file]  # by hand, or by the trainer that started us
         self.cfg = hb.read_json(buf / "producer_config.json")
         if self.cfg is None:
             raise FileNotFoundError(f"{buf / 'producer_config.json'}: missing (the trainer writes it; is --buffer "
                                     "the directory its COMMAND file names?)")  # fmt: skip
+        self.plan_mtime = self._check_session()
         self.units = hb.read_json(buf / "plan.json")["units"]
         with open(buf / "sequences.jsonl") as f:
             self.seqs = [json.loads(line) for line in f]
@@ -114,6 +119,19 @@ class Producer:
         self.stats = {"tokens": 0, "units": 0, "bytes_written": 0, "busy_s": 0.0, "blocked_s": 0.0}
         self.stats_path = buf / f"producer_{index}.json"
         self.parent = os.getppid() if self.cfg.get("exit_with_parent") else None
+
+    def _check_session(self) -> int:
+        """plan.json's mtime (ns); raises StalePlan when the plan names another session than ours (a trainer
+        run started since the COMMAND this producer was started from: its plan may list other sequences)."""
+        path = self.buf / "plan.json"
+        mtime = path.stat().st_mtime_ns
+        theirs = (hb.read_json(path) or {}).get("session", "")
+        if self.session and theirs != self.session:
+            raise StalePlan(
+                f"{path}: planned by trainer session {theirs or '(none)'}, not {self.session} that this producer was "
+                "started for: a later 05 run re-planned this buffer; run the line in its COMMAND file instead"
+            )
+        return mtime
 
     def mine(self, first: int) -> list[int]:
         """This producer's non-empty units from `first` on; refuses one that cannot fit its buffer share."""
@@ -167,6 +185,8 @@ class Producer:
         while True:
             if any(f.exists() for f in self.stop_files) or (self.parent and os.getppid() != self.parent):
                 break  # asked to stop, or the trainer that started us is gone
+            if self.session and (self.buf / "plan.json").stat().st_mtime_ns != self.plan_mtime:
+                self.plan_mtime = self._check_session()  # rewritten: still ours (resume of the same run)?
             if pos == len(
                 mine
             ):  # all planned units made: done, or (follow) wait for units appended to the plan
@@ -256,9 +276,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--count", type=int, default=1)
     ap.add_argument("--stop-file", default="STOP", help="exit when this file appears in the buffer")
+    ap.add_argument("--session", default="", help="the trainer session whose plan this producer serves")
     a = ap.parse_args(argv)
     try:
-        Producer(a.buffer, a.index, a.count, a.stop_file).run()
+        Producer(a.buffer, a.index, a.count, a.stop_file, a.session).run()
+    except StalePlan:  # not this buffer's producer any more: its stats file is the current run's, left alone
+        raise
     except BaseException as e:  # the trainer waits on this buffer, maybe on another node: tell it, then fail
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             record_failure(a.buffer, a.index, e)

@@ -6,6 +6,7 @@ consumer (`engine_hidden.VllmHidden`) must return what `hidden.OnlineHidden` com
 never holds more than the buffer bound. tests/server/test_vllm_hidden.py runs the same with real vLLM.
 """
 
+import os
 import threading
 from pathlib import Path
 
@@ -81,8 +82,15 @@ def test_streamed_units_equal_online_and_respect_the_bound(target, tmp_path, mon
     argv = cmd.split()
     assert argv[:3] == [".venv-vllm/bin/python", "-m", "eagle_lib.hidden_states.vllm_producer"]
     a = dict(zip(argv[3::2], argv[4::2], strict=True))
-    assert a == {"--buffer": str(tmp_path / "buf"), "--index": "0", "--count": "1"}
-    prod = vllm_producer.Producer(Path(a["--buffer"]), int(a["--index"]), int(a["--count"]))
+    assert a == {
+        "--buffer": str(tmp_path / "buf"),
+        "--index": "0",
+        "--count": "1",
+        "--session": src.plan_session,
+    }
+    prod = vllm_producer.Producer(
+        Path(a["--buffer"]), int(a["--index"]), int(a["--count"]), session=a["--session"]
+    )
     errors = []
     thread = threading.Thread(target=lambda: _run(prod, errors))
     thread.start()
@@ -105,6 +113,48 @@ def _run(prod, errors):
         prod.run()
     except BaseException as e:  # surfaced by the test thread
         errors.append(repr(e))
+
+
+def test_a_replanned_buffer_drops_the_old_request_and_refuses_producers_of_the_old_plan(target, tmp_path):
+    """start_producers: false, a run directory used before (the second `make test` hung an hour): the earlier
+    run's COMMAND and its producers' states go before planning, so a watcher never acts on the old request and
+    a stale "done" is not read as this run's; a producer started from an older plan's command refuses the new
+    plan without touching the stats; a restarted trainer on the same plan keeps the plan's session (producers
+    serving it go on); while one trainer reads the buffer, a second is refused (a surviving rank of a killed
+    run consumed and deleted a unit the new run was reading)."""
+    path, model = target
+    _, _, units, tokens = world(4)
+    ids = engine_hidden.layer_ids(AUX, eagle_tiny.LAYERS)
+    head = hidden.load_target_head(str(path), model.config)
+    buf = tmp_path / "buf"
+
+    def source(us):
+        return engine_hidden.VllmHidden(
+            buf, us, tokens, 0, ids, AUX, head, 64, torch.device("cpu"),
+            producer_cfg=producer_cfg(path, ids, 10**6), start_producers=False,
+        )  # fmt: skip
+
+    def command():
+        (line,) = (buf / engine_hidden.COMMAND_FILE).read_text().splitlines()
+        return line.split()[3:]
+
+    first = source(units)
+    old = command()
+    with pytest.raises(RuntimeError, match=rf"another trainer \(pid {os.getpid()}\)"):
+        source(units)  # a second consumer (another 05, a killed run's surviving rank) would take its units
+    hb.write_json(buf / "producer_0.json", {"state": "done", "pid": 1})  # the earlier producer's last word
+    first.close()
+    again = source(units)  # the same plan: the same session and command
+    assert not (buf / "producer_0.json").exists() and command() == old
+    again.close()
+    other = source(units[:1])  # another plan: another session
+    new = command()
+    assert new != old and new[new.index("--session") + 1] == other.plan_session
+    with pytest.raises(vllm_producer.StalePlan, match="re-planned"):
+        vllm_producer.main(old)
+    assert not (buf / "producer_0.json").exists()
+    vllm_producer.Producer(buf, 0, 1, session=other.plan_session)  # the new command's producer is accepted
+    other.close()
 
 
 def test_out_of_plan_call_and_oversized_unit_fail_clearly(target, tmp_path):
