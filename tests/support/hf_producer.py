@@ -66,9 +66,9 @@ class ThreadProducer:
 
     pid = NO_SUCH_PGID
 
-    def __init__(self, buf, index: int, count: int, session: str):
+    def __init__(self, buf, index: int, count: int, session: str, plan_session: str = ""):
         self.errors: list[str] = []
-        self.prod = vllm_producer.Producer(buf, index, count, f"STOP.{session}")
+        self.prod = vllm_producer.Producer(buf, index, count, f"STOP.{session}", plan_session)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -97,8 +97,8 @@ def patch(monkeypatch, model) -> list[ThreadProducer]:
         vllm_producer, "make_engine", lambda cfg, scratch: HFEngine(model, cfg["layer_ids"], scratch)
     )
 
-    def launch(buf, i, n, session, cpu):
-        started.append(ThreadProducer(buf, i, n, session))
+    def launch(buf, i, n, session, cpu, plan_session=""):  # engine_hidden.launch's signature
+        started.append(ThreadProducer(buf, i, n, session, plan_session))
         return started[-1]
 
     monkeypatch.setattr(engine_hidden, "launch", launch)
