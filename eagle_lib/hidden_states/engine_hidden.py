@@ -126,32 +126,6 @@ COMMAND_FILE = (
 )
 
 
-TRAINER_LOCK = "TRAINER.lock"  # held (flock) by the one trainer process reading a buffer; its pid inside
-
-
-def take_buffer(buf: Path):
-    """The buffer's trainer lock (an open file holding an exclusive flock, released when closed or when the
-    process dies); raises when another trainer holds it: two consumers would take each other's units."""
-    import fcntl
-
-    f = open(buf / TRAINER_LOCK, "a+")  # noqa: SIM115  (held for the source's lifetime)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise RuntimeError(
-            f"{buf}: another trainer (pid {holder}) is reading this buffer; two would consume each other's units. "
-            "Stop it (a 05 or a killed run's surviving rank), or give this run another hidden_dump_dir"
-        ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
 def _release(procs: list[subprocess.Popen], stop_file: Path, lock) -> None:
     stop(procs, stop_file)
     lock.close()
@@ -254,7 +228,7 @@ class VllmHidden:
         self.session = f"{os.getpid()}-{time.time_ns()}"  # one trainer run (served.jsonl groups by it)
         self.made = self._to_make(start)
         self.buf.mkdir(parents=True, exist_ok=True)
-        lock = take_buffer(self.buf)  # before touching anything in it
+        lock = hb.take_trainer_lock(self.buf)  # before touching anything in it
         (self.buf / "STOP").unlink(missing_ok=True)
         # an earlier run's request and its producers' states: a watcher on the serving nodes must not act on
         # that COMMAND, nor this rank read a stale "done" or "failed" as its own producers' word

@@ -25,6 +25,7 @@ scratch file and the shard being written); it blocks before starting work that w
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -112,3 +113,27 @@ class Ledger:
     def add(self, u: int, size: int) -> None:
         self.units[u] = size
         self.peak = max(self.peak, self.pending())
+
+
+TRAINER_LOCK = "TRAINER.lock"  # held (flock) by the one trainer process reading a buffer; its pid inside
+
+
+def take_trainer_lock(buf: Path):
+    """The buffer's trainer lock (an open file holding an exclusive flock, released when closed or when the
+    process dies); raises when another trainer holds it: two consumers would take each other's units."""
+    f = open(buf / TRAINER_LOCK, "a+")  # noqa: SIM115  (held for the source's lifetime)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RuntimeError(
+            f"{buf}: another trainer (pid {holder}) is reading this buffer; two would consume each other's units. "
+            "Stop it (a 05 or a killed run's surviving rank), or give this run another hidden_dump_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
