@@ -280,9 +280,8 @@ def main(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     try:
         Producer(a.buffer, a.index, a.count, a.stop_file, a.session).run()
-    except StalePlan:  # not this buffer's producer any more: its stats file is the current run's, left alone
-        raise
     except BaseException as e:  # the trainer waits on this buffer, maybe on another node: tell it, then fail
+        # SystemExit includes StalePlan: that buffer's stats are the current run's, left alone
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             record_failure(a.buffer, a.index, e)
         raise
