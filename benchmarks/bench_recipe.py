@@ -129,8 +129,29 @@ ON_PREVIOUS = {
         "_ema_decay": 0.99,
     },
 }
+# served-temperature recipes on top of params/toy.yaml (keys "shared.X" override its shared section): 05 trains
+# a term per served temperature (eagle_lib/drafter/served.py); decode with --temperatures 0 1 to see both
+SERVE_01 = {"shared.serve_temperatures": [0.0, 1.0], "shared.serve_top_p": 0.95}
+ON_TOY = {
+    "serve_01_tv": SERVE_01,
+    "serve_01_fkl": {**SERVE_01, "sampled_loss": "forward_kl"},
+    "serve_01_lk": {**SERVE_01, "sampled_loss": "lk_hybrid"},
+    "serve_01_tv_w3": {**SERVE_01, "serve_weights": [0.25, 0.75]},
+    "serve_1_tv": {**SERVE_01, "shared.serve_temperatures": [1.0]},
+    "serve_1_fkl": {**SERVE_01, "shared.serve_temperatures": [1.0], "sampled_loss": "forward_kl"},
+    "serve_01_fkl_w3": {**SERVE_01, "sampled_loss": "forward_kl", "serve_weights": [0.25, 0.75]},
+    # the greedy term sharpens the draft as it sharpens the target: softmax(z / 0.1) vs softmax(l / 0.1), whose
+    # optimum (z = l) is the sampled term's too, where softmax(z) vs a sharpened target pulls q away from p_1
+    "serve_01_fkl_gd": {**SERVE_01, "sampled_loss": "forward_kl", "greedy_draft_temperature": 0.1},
+    "serve_01_fkl_gd_w3": {
+        **SERVE_01,
+        "sampled_loss": "forward_kl",
+        "greedy_draft_temperature": 0.1,
+        "serve_weights": [0.25, 0.75],
+    },
+}
 # "baseline" is params/toy.yaml itself (since this change: combo_t0.1_muon)
-VARIANTS = {"baseline": {}, **{name: {**PREVIOUS, **over} for name, over in ON_PREVIOUS.items()}}
+VARIANTS = {"baseline": {}, **ON_TOY, **{name: {**PREVIOUS, **over} for name, over in ON_PREVIOUS.items()}}
 
 
 @contextlib.contextmanager
@@ -202,6 +223,7 @@ def stage_config(
     factor = over.pop("_steps_factor", 1.0)
     over.pop("_ema_decay", None)
     stage.update(max_steps=max(1, round(steps * factor)), measure_every=measure_every, resume=False)
+    shared_over = {k.split(".", 1)[1]: over.pop(k) for k in [k for k in over if k.startswith("shared.")]}
     stage.update(checkpoint_every=10**6, num_threads=1, **over)
     work.mkdir(parents=True, exist_ok=True)
     for d in ("data", "infer"):
@@ -210,19 +232,21 @@ def stage_config(
     return params.StageConfig(
         "05_train_eagle3",
         work,
-        params.SharedParams(**dict(raw["shared"], **({} if seed is None else {"seed": seed}))),
+        params.SharedParams(**dict(raw["shared"], **shared_over, **({} if seed is None else {"seed": seed}))),
         train.Params(**stage),
     )
 
 
-def seed_table(rows: list[dict]) -> str:
-    """Markdown table of the rows' tau per variant across seeds: per seed, mean, sample sd (n - 1; blank for one
-    seed), and the mean paired difference to the first variant over the seeds both ran."""
+def seed_table(rows: list[dict], key: str = "tau") -> str:
+    """Markdown table of the rows' tau (``key``: "tau" at T=0, or a `sampled_key`) per variant across seeds: per
+    seed, mean, sample sd (n - 1; blank for one seed), and the mean paired difference to the first variant over
+    the seeds both ran."""
     import math
 
     by: dict[str, dict[int, float]] = {}
     for r in rows:
-        by.setdefault(r["variant"], {})[r["seed"]] = r["tau"]
+        if key in r:
+            by.setdefault(r["variant"], {})[r["seed"]] = r[key]
     first = next(iter(by), None)
     lines = ["| variant | tau per seed | mean | sd | minus the first variant |", "|---|---|---|---|---|"]
     for name, taus in by.items():
@@ -237,6 +261,11 @@ def seed_table(rows: list[dict]) -> str:
             f"{'' if diff is None else f'{diff:+.3f} ({len(shared)} seeds)'} |"
         )
     return "\n".join(lines)
+
+
+def sampled_key(temperature: float, mode: str) -> str:
+    """The row key of tau at a sampled temperature with `mode` drafts (heldout_tau.Decoder.decode)."""
+    return f"tau_T{temperature:g}_{mode}"
 
 
 def main() -> None:
@@ -254,6 +283,23 @@ def main() -> None:
         "--seeds", "--seed", type=int, nargs="+", default=[None],
         help="shared seeds (init, data order), each variant trained once per seed; default toy.yaml's",
     )  # fmt: skip
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="also decode at these T > 0 (top_p --top-p), once per --draft-sampling mode",
+    )
+    ap.add_argument("--top-p", type=float, default=0.95, help="the target's nucleus at T > 0 (toy.yaml's)")
+    ap.add_argument(
+        "--draft-sampling",
+        nargs="+",
+        default=["greedy", "probabilistic"],
+        help="EAGLE drafts at T > 0: greedy (argmax) | probabilistic (vLLM's draft_sample_method)",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="sampling seeds per prompt at T > 0 (their sums pool)"
+    )
     a = ap.parse_args()
     run_dir = Path(a.run_dir)
     if not list(run_dir.glob("infer/*/responses.jsonl")):
@@ -291,6 +337,11 @@ def main() -> None:
         t1 = time.perf_counter()
         num, den = decoder.decode(drafter)
         tau = float(num.sum() / den.sum())
+        sampled = {}
+        for temp in (t for t in a.temperatures if t > 0):
+            for mode in a.draft_sampling:
+                n_, d_ = decoder.decode(drafter, temp, a.top_p, mode, a.reps)
+                sampled[sampled_key(temp, mode)] = float(n_.sum() / d_.sum())
         log = [json.loads(x) for x in (work / "drafter" / "train_log.jsonl").read_text().splitlines()]
         curve = [(r["step"], round(r["measured_tau"], 3)) for r in log if "measured_tau" in r]
         row = {
@@ -299,6 +350,7 @@ def main() -> None:
             "steps": cfg.stage.max_steps,
             "seed": cfg.shared.seed,
             "tau": tau,
+            **sampled,
             "heldout_acc": summary["heldout"]["acc"],
             "measured_curve": curve,
             "train_s": train_s,
@@ -311,7 +363,9 @@ def main() -> None:
         rows.append(row)
         acc = [round(x, 3) for x in row["heldout_acc"]]
         print(
-            f"{name:24s} seed {row['seed']}  steps {row['steps']:4d}  tau {tau:.3f}  heldout acc {acc}  measured {curve}  "
+            f"{name:24s} seed {row['seed']}  steps {row['steps']:4d}  tau {tau:.3f}  "
+            + "".join(f"{k} {v:.3f}  " for k, v in sampled.items())
+            + f"heldout acc {acc}  measured {curve}  "
             f"05 {train_s:.0f} s  draft/target step cost {decoder.cost_ratio:.2f}",
             flush=True,
         )
@@ -319,6 +373,9 @@ def main() -> None:
             shutil.rmtree(work)
     print(f"\ntau at T=0 per seed ({len(prompts)} held-out prompts x {a.new_tokens} tokens, {a.steps} steps)")
     print(seed_table(rows))
+    for key in dict.fromkeys(k for r in rows for k in r if k.startswith("tau_T")):
+        print(f"\n{key} per seed (top_p {a.top_p}, {a.reps} sampling seeds a prompt)")
+        print(seed_table(rows, key))
 
 
 if __name__ == "__main__":

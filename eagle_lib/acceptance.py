@@ -25,6 +25,7 @@ online.json, preflight.json, live_preflight.json, plots, meta.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import warnings
@@ -61,12 +62,15 @@ class Params(params.Strict):
     topk: int = 1  # draft tree width in the launch commands; offline decoding is a chain (topk 1)
     num_draft_tokens: int = 4  # SGLang --speculative-num-draft-tokens (num_steps + 1 for topk 1)
     methods: list[Method] = ["none", "ngram", "eagle3"]  # offline methods; 'none' is the lossless reference
-    temperatures: list[float] = [0.0, 1.0]  # 0 = greedy; the target's recommended one (Kimi-K2.5: 1.0)
+    temperatures: list[float] = []  # 0 = greedy; empty: shared.serve_temperatures (empty too: [0.0, 1.0])
     sampled_methods: list[Method] = ["none", "ngram", "eagle3"]  # decoded at T > 0 (none: speed baseline)
     sampled_max_prompts: int = 0  # prompts per dataset decoded at T > 0 (the first ones); 0 = all
-    top_p: float = 0.95  # the target's sampling at T > 0 (Kimi-K2.5 thinking mode: 0.95); 1.0 = off
+    top_p: float = 0.0  # the target's sampling at T > 0; 0: shared.serve_top_p; 1.0 = off
     top_k: int = 0  # the target's top-k at T > 0; 0 = off
-    draft_sampling: Literal["greedy", "sample"] = "greedy"  # eagle3 drafts at T > 0: argmax as vLLM/SGLang
+    draft_sampling: Literal["greedy", "probabilistic"] = (
+        "greedy"  # eagle3 drafts at T > 0: argmax (SGLang; vLLM's default) | probabilistic (vLLM's opt-in
+        # draft_sample_method: drawn from softmax(draft logits / T), no top-p; sampling.draft_sampler)
+    )
     context_buckets: list[int] = [
         1024,
         4096,
@@ -108,10 +112,12 @@ class Params(params.Strict):
         if self.online_engine == "sglang" and not self.online_url:
             raise ValueError("online_engine 'sglang' needs online_url (a running server)")
         temps = self.temperatures + self.online_temperatures
-        if not self.temperatures or min(temps) < 0 or len(set(self.temperatures)) < len(self.temperatures):
+        if min(temps, default=0) < 0 or len(set(self.temperatures)) < len(self.temperatures):
             raise ValueError(f"temperatures must be distinct and >= 0 (got {self.temperatures})")
-        if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"need 0 < top_p <= 1 and top_k >= 0 (got {self.top_p}, {self.top_k})")
+        if not 0 <= self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"need 0 < top_p <= 1 (0: serve_top_p) and top_k >= 0 (got {self.top_p}, {self.top_k})"
+            )
         if (
             self.context_buckets != sorted(set(self.context_buckets))
             or min(self.context_buckets, default=1) < 1
@@ -120,6 +126,12 @@ class Params(params.Strict):
                 f"context_buckets must be increasing positive lengths (got {self.context_buckets})"
             )
         return self
+
+    def served(self, shared: params.SharedParams) -> Params:
+        """These params with the serving settings they leave to the shared ones filled in: empty temperatures
+        take ``serve_temperatures`` (empty too: [0.0, 1.0]), top_p 0 takes ``serve_top_p``."""
+        temps = self.temperatures or list(shared.serve_temperatures) or [0.0, 1.0]
+        return self.model_copy(update={"temperatures": temps, "top_p": self.top_p or shared.serve_top_p})
 
     @property
     def online_temps(self) -> list[float]:
@@ -187,7 +199,10 @@ def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None
         return specdec.NoProposer()
     if method == "ngram":
         return specdec.NgramProposer(p.ngram_max, p.ngram_min)
-    return specdec.EagleProposer(drafter, sampler if p.draft_sampling == "sample" else None)
+    from eagle_lib.serving.sampling import draft_sampler
+
+    seed, temp = (sampler.seed, sampler.temperature) if sampler is not None else (0, 0.0)
+    return specdec.EagleProposer(drafter, draft_sampler(p.draft_sampling, temp, seed))
 
 
 def sampler_for(p: Params, temperature: float, seed: int, pr: Prompt, salt: str = "") -> Sampler:
@@ -255,8 +270,9 @@ def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list
         raw = online.measure(p, shared.seed, url, p.online_model, prompts, eos)
         return raw, live.live_checks(p, url, exports[p.online_format], raw)
     from eagle_lib.engines.vllm_server import start_vllm
+    from eagle_lib.serving import commands
 
-    spec = {"method": "eagle3", "model": str(exports[p.online_format]), "num_speculative_tokens": p.num_steps}
+    spec = commands.vllm_spec(str(exports[p.online_format]), p.num_steps, p.draft_sampling)
     max_len = min(max_pos, p.max_prompt_tokens + p.eval_max_new_tokens + 2 * p.num_steps + 8)
     with start_vllm(
         models.resolve(shared.target),
@@ -323,17 +339,18 @@ def preflight_all(exports: dict[str, Path], cfg: params.StageConfig, tcfg: dict)
 
     p, sh = cfg.stage, cfg.shared
     launch = commands.launch_kwargs(p, sh, tcfg)
-    trained = _trained_aux(Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final"))
-    args = (sh.target, p.sglang_cmd, None, sh.trust_remote_code, tcfg, trained)
+    trained = _trained_config(Path(p.drafter_dir) if p.drafter_dir else cfg.out("drafter", "final"))
+    aux, norms = (trained["aux_layers"], trained) if trained else (None, None)
+    args = (sh.target, p.sglang_cmd, None, sh.trust_remote_code, tcfg, aux, norms)
     return [preflight.preflight(d, *args, **launch).to_dict() for d in exports.values()]
 
 
-def _trained_aux(drafter_dir: Path) -> list[int] | None:
-    """The aux layers in the trained drafter's own config (drafter_config.json), if there is one."""
+def _trained_config(drafter_dir: Path) -> dict | None:
+    """The trained drafter's own config (drafter_config.json: aux layers, norm flags), if there is one."""
     from eagle_lib.drafter.model import CONFIG_FILE
 
     f = drafter_dir / CONFIG_FILE
-    return json.loads(f.read_text())["config"]["aux_layers"] if f.exists() else None
+    return json.loads(f.read_text())["config"] if f.exists() else None
 
 
 def run(cfg: params.StageConfig) -> Eval:
@@ -343,6 +360,7 @@ def run(cfg: params.StageConfig) -> Eval:
     from eagle_lib.serving import online
     from eagle_lib.serving import tables as tbl
 
+    cfg = dataclasses.replace(cfg, stage=cfg.stage.served(cfg.shared))  # what 05 trained for, unless set here
     p, shared, started, out = cfg.stage, cfg.shared, time.time(), cfg.out("eval")
     machine.set_cpu_threads(shared.num_workers)  # offline decoding on CPU: the machine rule
     out.mkdir(parents=True, exist_ok=True)

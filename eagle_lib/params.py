@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
 class ParamsError(ValueError):
@@ -55,6 +55,19 @@ class SharedParams(Strict):
     max_new_tokens: int = (
         512  # the target's generation budget: 03 generates up to it, 02 and 04 check against it
     )
+    # how the drafter will be served: 05 trains one loss term per temperature (drafter/served.py), 06 measures
+    # at them (its own temperatures / top_p override); empty = greedy verification only
+    serve_temperatures: list[float] = []
+    serve_top_p: float = 1.0  # the target's nucleus at T > 0 (Kimi-K2.5 thinking mode: 0.95); 1.0 = none
+
+    @model_validator(mode="after")
+    def _serving(self):
+        t = self.serve_temperatures
+        if any(x < 0 for x in t) or len(set(t)) != len(t) or not 0 < self.serve_top_p <= 1:
+            raise ValueError(
+                f"serve_temperatures must be distinct and >= 0, 0 < serve_top_p <= 1 (got {t}, {self.serve_top_p})"
+            )
+        return self
 
     @property
     def tokenizer_path(self) -> str:

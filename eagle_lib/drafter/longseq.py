@@ -170,11 +170,12 @@ def target_argmax(target, chunk: int) -> torch.Tensor:
     return torch.cat(out).view(b, t) if out else torch.zeros(b, t, dtype=torch.long, device=dev)
 
 
-def chunked_head_loss(drafter, out_rows, target, bi, ti, temperature, per_position, chunk: int):
+def chunked_head_loss(drafter, out_rows, target, bi, ti, objective, chunk: int, full_vocab: bool = False):
     """Sum of per-position losses over label rows and the drafter's argmax (draft ids), ``chunk`` rows at a time.
 
     out_rows (n, H) the drafter's pre-norm outputs at the label rows; (bi, ti) the target rows they read; the
-    target's log-probs over the draft vocab at temperature ``temperature`` are computed per chunk. Returns
+    target's logits at them (the draft vocab's columns, or the whole vocab with ``full_vocab``: a nucleus needs
+    it) are made per chunk and ``objective(target rows, draft logits) -> (n,)`` gives the loss. Returns
     ((n,) loss per row, (n,) draft argmax); each chunk's head + loss run under checkpoint, so backward keeps
     (n, H), not (n, N_draft).
     """
@@ -182,12 +183,11 @@ def chunked_head_loss(drafter, out_rows, target, bi, ti, temperature, per_positi
     losses, arg = [], []
     for i in range(0, out_rows.shape[0], chunk):
         with torch.no_grad():
-            tl = _fp32(target_rows(target, bi[i : i + chunk], ti[i : i + chunk], ids))
-            logp = (tl / temperature).log_softmax(-1)
+            tl = _fp32(target_rows(target, bi[i : i + chunk], ti[i : i + chunk], None if full_vocab else ids))
 
-        def f(x, logp=logp):
-            lq = _fp32(drafter.head(x)).log_softmax(-1)
-            return per_position(logp, lq), lq.detach().argmax(-1)
+        def f(x, tl=tl):
+            z = _fp32(drafter.head(x))
+            return objective(tl, z), z.detach().argmax(-1)
 
         x = out_rows[i : i + chunk]
         ce, a = checkpoint(f, x, use_reentrant=False) if x.requires_grad else f(x)

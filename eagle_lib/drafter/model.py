@@ -25,8 +25,10 @@ The decoder layer: ``residual = hidden``; attention over
 ``out = h + mlp(post_attention_layernorm(h))``; ``logits = lm_head(norm(out))`` over the draft vocab, whose
 ids map to the target's by ``target_id = draft_id + d2t[draft_id]``. Config options (off by default, named as
 in speculators / vLLM): ``norm_before_residual`` (residual = hidden_norm(hidden)), ``norm_before_fc`` (an
-``input_norm`` RMSNorm on the 3H_t features before fc: one extra weight) and ``norm_output`` (the hidden fed
-back to the next draft step is ``norm(out)``).
+``input_norm`` RMSNorm on the 3H_t features before fc: one extra weight), ``fc_norm`` (an RMSNorm per aux
+feature, ``fc_norm.{0,1,2}.weight``, after ``input_norm`` when both are on: vLLM's order) and ``norm_output`` (the
+hidden fed back to the next draft step is ``norm(out)``, the tensor the logits read too). EAGLE-3.1 as SGLang
+and vLLM serve it (SGLang's kimi_k25_eagle3 calls it so) is ``fc_norm`` + ``norm_output``.
 
 Incremental decoding: ``DraftCache`` holds the layer's keys/values in position order. ``forward`` with a
 cache appends the new rows (each new row attends to every cached row and causally to the new ones) and
@@ -71,6 +73,7 @@ class Eagle3Config:
     norm_before_residual: bool = False  # the residual is hidden_norm(hidden), not the raw hidden
     norm_before_fc: bool = False  # RMSNorm ``input_norm`` (3H_t) on the concatenated features before fc
     norm_output: bool = False  # the hidden fed back to the next draft step is norm(out), not the pre-norm out
+    fc_norm: bool = False  # an RMSNorm per aux feature (H_t each) before fc (EAGLE-3.1, with norm_output)
 
     @classmethod
     def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None):
@@ -204,6 +207,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         if c.norm_before_fc:  # only then: the default state dict stays the SGLang checkpoint layout
             self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -240,6 +245,9 @@ class Eagle3Drafter(nn.Module):
             )
         if self.config.norm_before_fc:
             aux_hidden = self.input_norm(aux_hidden)
+        if self.config.fc_norm:
+            parts = aux_hidden.chunk(3, dim=-1)
+            aux_hidden = torch.cat([n(x) for n, x in zip(self.fc_norm, parts, strict=True)], dim=-1)
         return self.fc(aux_hidden)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,12 +81,24 @@ class Params(params.Strict):
         1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
     )
     loss: Literal["soft_ce", "forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid"] = (
-        "soft_ce"  # per-position loss, target p vs draft q (eagle_lib.drafter.ttt.per_position_loss)
+        "soft_ce"  # per-position loss, target p vs draft q (eagle_lib.drafter.served.per_position_loss)
+    )
+    # shared.serve_temperatures > 0: each adds a term, the target's served distribution (T, serve_top_p) vs
+    # softmax(draft logits / T), the draft vLLM samples with draft_sample_method probabilistic (drafter/served.py)
+    sampled_loss: Literal["soft_ce", "forward_kl", "jsd", "tv", "nla", "lk_hybrid"] = (
+        "tv"  # 1 - TV = the acceptance rate of a draft drawn from q
+    )
+    serve_weights: list[float] = []  # one weight per shared.serve_temperatures entry; empty = equal
+    greedy_draft_temperature: float = (
+        1.0  # the T=0 term's q = softmax(draft logits / this); = target_temperature: both sharpened alike
     )
     # normalisation options of later EAGLE-3 trainers (speculators' names): ours only, not servable (no exports)
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of the raw hidden
     norm_before_fc: bool = False  # an RMSNorm (extra weight input_norm) on the 3H_t features before fc
     norm_output: bool = False  # feed norm(out) back to the next draft step instead of the pre-norm out
+    fc_norm: bool = (
+        False  # an RMSNorm per aux feature before fc; with norm_output: EAGLE-3.1 (served by both)
+    )
     draft_intermediate_size: int = 0  # the drafter's MLP width; 0 takes the target's (served: a config value)
     epochs: int = 1  # passes over the training rows (ignored when max_steps > 0)
     max_steps: int = 80  # optimizer steps; 0 means epochs x steps per epoch
@@ -162,6 +174,17 @@ class Params(params.Strict):
         return self
 
 
+def objective(p: Params, shared: params.SharedParams) -> list:
+    """The training objective's terms (`eagle_lib.drafter.served`) for these params."""
+    from eagle_lib.drafter import served
+
+    try:
+        return served.terms(shared.serve_temperatures, shared.serve_top_p, p.serve_weights, p.target_temperature,
+                            p.loss, p.sampled_loss, p.greedy_draft_temperature)  # fmt: skip
+    except ValueError as e:
+        raise params.ParamsError(f"05_train_eagle3: {e}") from None
+
+
 def fingerprint(stage: Params, shared: params.SharedParams) -> str:
     """The hash of every setting that changes the trained weights (checkpoint directories are keyed by it)."""
     p = {k: v for k, v in stage.model_dump().items() if k not in NOT_IN_FINGERPRINT}
@@ -213,7 +236,7 @@ def drafter_config(hf_config, p: Params):
 
     config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
     config.norm_before_residual, config.norm_before_fc = p.norm_before_residual, p.norm_before_fc
-    config.norm_output = p.norm_output
+    config.norm_output, config.fc_norm = p.norm_output, p.fc_norm
     config.intermediate_size = p.draft_intermediate_size or config.intermediate_size
     return config
 

@@ -145,7 +145,7 @@ class Trainer:
             )
         model = ttt.TTT(
             drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-            p.checkpoint_steps,
+            p.checkpoint_steps, terms=recipe.objective(p, self.shared),
         )  # fmt: skip
         opts = optim.build(
             model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay

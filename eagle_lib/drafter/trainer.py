@@ -211,7 +211,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
             source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)
         shard = seqpar.groups(distributed.world()[1], distributed.world()[0], p.sequence_parallel)
         unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-                         p.checkpoint_steps, shard)  # fmt: skip
+                         p.checkpoint_steps, shard, recipe.objective(p, cfg.shared))  # fmt: skip
         model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
         opts = optim.build(
             model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay

@@ -16,7 +16,7 @@ Step ``i`` (0-based) at row index ``t`` simulates draft step ``i`` after a prefi
 Loss = sum_i decay^i * mean per-position loss over label positions whose target argmax is in the draft
 vocab, between the target p = ``softmax(target_logits / target_temperature)`` over the draft vocab (1.0: the
 target's own distribution; below 1 sharper, towards the argmax that greedy verification accepts) and the draft
-q (`LOSSES`, the ``loss`` param; the names and formulas follow speculators' loss options, docs.vllm.ai/projects/
+q (`served.LOSSES`, the ``loss`` param; the names and formulas follow speculators' loss options, docs.vllm.ai/projects/
 speculators "Loss Functions", with alpha = sum_v min(p_v, q_v), the acceptance rate of speculative sampling). ``acc_i`` counts every label position (an argmax outside the draft vocab is a miss, as it is at
 serving time); ``cond_acc_i`` is acc given steps ``< i`` were right at the same row.
 """
@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle_lib.drafter import longseq, seqpar
+from eagle_lib.drafter import longseq, seqpar, served
 from eagle_lib.drafter.model import Eagle3Drafter
+from eagle_lib.drafter.served import LOSSES
 
 # (steps k, per-step loss decay) of the public trainers
 PRESETS = {"eagle": (7, 0.8), "specforge": (7, 0.8), "speculators": (3, 1.0), "modelopt": (3, 0.9)}
@@ -51,33 +52,6 @@ def resolve_preset(preset: str, steps: int, decay: float) -> tuple[int, float]:
     if k < 1 or d <= 0:
         raise ValueError(f"TTT needs steps >= 1 and decay > 0 (got {k}, {d}); set ttt_steps and loss_decay")
     return k, d
-
-
-def per_position_loss(logp: torch.Tensor, logq: torch.Tensor, kind: str) -> torch.Tensor:
-    """(n,) loss between target log-probs `logp` and draft log-probs `logq` (n, N), one of `LOSSES`."""
-    p, q = logp.exp(), logq.exp()
-    if kind == "soft_ce":  # -sum p log q (forward KL + H(p): the same gradient)
-        return -(p * logq).sum(-1)
-    kl = (p * (logp - logq)).sum(-1)
-    if kind == "forward_kl":
-        return kl
-    if kind == "reverse_kl":
-        return (q * (logq - logp)).sum(-1)
-    if kind == "jsd":  # 0.5 KL(p||m) + 0.5 KL(q||m), m = (p + q) / 2
-        logm = torch.logaddexp(logp, logq) - torch.log(torch.tensor(2.0, dtype=logp.dtype))
-        return 0.5 * (p * (logp - logm)).sum(-1) + 0.5 * (q * (logq - logm)).sum(-1)
-    alpha = torch.minimum(p, q).sum(-1)
-    if kind == "tv":  # 1 - alpha = 0.5 sum |p - q|
-        return 1 - alpha
-    if kind == "nla":  # -log(alpha): TV's optimum, a 1/alpha stronger gradient from a cold start
-        return -alpha.clamp(min=1e-12).log()
-    if kind == "lk_hybrid":  # lambda KL + (1 - lambda) TV, lambda = exp(-3 alpha) (not differentiated)
-        lam = torch.exp(-3 * alpha).detach()
-        return lam * kl + (1 - lam) * (1 - alpha)
-    raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
-
-
-LOSSES = ("soft_ce", "forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid")
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +117,7 @@ class TTT(nn.Module):
         loss_chunk: int = 0,
         checkpoint_steps: bool = False,
         shard: seqpar.Shard | None = None,
+        terms: list[served.Term] | None = None,
     ):
         super().__init__()
         if attention not in ATTENTION:
@@ -155,12 +130,20 @@ class TTT(nn.Module):
             raise ValueError(f"loss {loss!r}: choose one of {LOSSES}")
         self.drafter, self.steps, self.decay, self.feed, self.loss = drafter, steps, decay, feed, loss
         self.temperature = target_temperature
+        # the objective (`served`): one term per served temperature; None = the greedy recipe's single term
+        self.terms = terms or served.terms([], 1.0, [], target_temperature, loss, loss)
+        self.plain = all(t.plain for t in self.terms)  # no nucleus: the draft vocab's target logits suffice
         self.attention, self.chunked = ATTENTION[attention], attention == "chunked"
         self.loss_chunk = loss_chunk  # > 0: head + loss this many label rows at a time (`longseq`)
         self.checkpoint_steps = checkpoint_steps  # recompute each step's decoder layer in backward
         self.shard = shard or seqpar.Shard()  # sequence parallel: this rank's rows (`seqpar`)
         # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
         self.confidence: torch.Tensor | None = None
+
+    def _objective(self, target_rows: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+        """(n,) the objective at label rows: target logits (n, V), or (n, N) draft columns when plain."""
+        cols = None if self.plain else self.drafter.draft_ids()
+        return served.objective(target_rows, cols, draft_logits, self.terms)
 
     def forward(self, input_ids, position_ids, doc_ids, loss_mask, aux, target_logits):
         """Returns (weighted loss, stats (k, N_STATS) of sums); under sequence parallel (`seqpar`) the loss of
@@ -174,10 +157,13 @@ class TTT(nn.Module):
             raise ValueError("a HeadTarget (no (B, T, V) logits) needs loss_chunk > 0")
         with torch.no_grad():
             if self.loss_chunk:
-                t_arg, t_logp = longseq.target_argmax(target_logits, self.loss_chunk), None
+                t_arg = longseq.target_argmax(target_logits, self.loss_chunk)
             else:
                 t_arg = target_logits.argmax(-1)  # (B, T) target ids
-                t_logp = (at_least_fp32(target_logits[..., d.draft_ids()]) / self.temperature).log_softmax(-1)
+                flat = target_logits.reshape(-1, target_logits.shape[-1])
+                flat = flat[:, d.draft_ids()] if self.plain else flat
+                cols = None if self.plain else d.draft_ids()
+                t_logps = [lp.view(*t_arg.shape, -1) for lp in served.target_terms(flat, cols, self.terms)]
             t_in = d.t2d[t_arg]  # (B, T) argmax in the draft vocab
             if self.chunked:
                 ctx = doc_ids
@@ -223,12 +209,11 @@ class TTT(nn.Module):
             ti = ti + a + 1 + i  # the target rows they read, in the whole row
             tgt_arg, in_vocab = t_arg[bi, ti], t_in[bi, ti]
             if self.loss_chunk:
-                ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti, self.temperature,
-                                                    lambda lp, lq: per_position_loss(lp, lq, self.loss),
-                                                    self.loss_chunk)  # fmt: skip
+                ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti, self._objective,
+                                                    self.loss_chunk, full_vocab=not self.plain)  # fmt: skip
             else:
                 logits = at_least_fp32(d.head(out[labels]))  # (n, N) only at label rows
-                ce = per_position_loss(t_logp[bi, ti], logits.log_softmax(-1), self.loss)  # (n,)
+                ce = served.objective_from([lp[bi, ti] for lp in t_logps], logits, self.terms)  # (n,)
                 arg = logits.detach().argmax(-1)
             loss_sum = (ce * in_vocab).sum()
             n_loss = in_vocab.sum()

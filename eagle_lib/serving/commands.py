@@ -21,6 +21,7 @@ def launch_commands(
     cpu: bool = False,
     mla: bool = False,
     revision: str = "",
+    draft_sampling: str = "greedy",
 ) -> dict[str, str]:
     """The exact SGLang and vLLM commands serving this target with this drafter. `api_key_env`: the servers
     demand the key in that variable (``--api-key "$VAR"``); `multimodal`: the target wraps its language model
@@ -29,7 +30,8 @@ def launch_commands(
     CLI) in fp32 with our CPU fixes plugin on PYTHONPATH (`eagle_lib.engines.vllm_cpu_fixes`); with an `mla`
     target also ``VLLM_MLA_DISABLE=1`` (the Llama-style EAGLE-3 head cannot share MLA's CPU KV-cache block size)
     and native rope (the CPU rotary op mis-rotates MLA queries). `revision`: the pinned commit of the target's
-    hub repo."""
+    hub repo. `draft_sampling`: probabilistic = vLLM draws each draft from softmax(draft logits / T) and its
+    rejection sampler uses those q (``draft_sample_method``; SGLang always drafts the argmax)."""
     trust = ["--trust-remote-code"] if trust_remote_code else []
     tp_s = ["--tp", str(tp)] if tp > 1 else []
     sglang = [
@@ -51,7 +53,7 @@ def launch_commands(
         "--speculative-num-draft-tokens",
         str(num_draft_tokens),
     ]
-    spec = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": num_steps}
+    spec = vllm_spec(drafter_dir, num_steps, draft_sampling)
     rev = ["--revision", revision] if revision else []
     head = ["vllm", "serve", target]
     env = ""
@@ -84,6 +86,14 @@ def launch_commands(
     return out
 
 
+def vllm_spec(drafter_dir: str, num_steps: int, draft_sampling: str = "greedy") -> dict:
+    """vLLM's --speculative-config for this drafter (``draft_sample_method`` only when not vLLM's default)."""
+    spec = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": num_steps}
+    if draft_sampling != "greedy":
+        spec["draft_sample_method"] = draft_sampling
+    return spec
+
+
 def launch_kwargs(p, shared, tcfg: dict) -> dict:
     """The serving settings the launch commands take from 06's params `p` and the target's config (what a user
     runs before 06 with ``offline: false``: `python -m eagle_lib.serving.preflight <export> --params <file>`)."""
@@ -99,4 +109,5 @@ def launch_kwargs(p, shared, tcfg: dict) -> dict:
         "cpu": models.pick_device(shared.device).type == "cpu",
         "mla": bool(tcfg.get("kv_lora_rank")),
         "revision": models.hub_kwargs(shared).get("revision") or "",
+        "draft_sampling": p.draft_sampling,
     }

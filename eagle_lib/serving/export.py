@@ -44,11 +44,24 @@ class ExportError(ValueError):
     """An export directory that cannot be read back: names the file and the reason."""
 
 
+# the drafter's normalisation options, each a config key both engines read at the top level of config.json (vLLM
+# 0.32 llama_eagle3 / speculators algos.update_eagle3; SGLang 0.5.23 llama_eagle3, which has no
+# norm_before_residual). The weights they add: input_norm.weight (norm_before_fc), fc_norm.{0,1,2}.weight (fc_norm).
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def norm_flags(c: Eagle3Config) -> dict[str, bool]:
+    """Every normalisation flag of the drafter, written out (a missing one means another default per engine)."""
+    return {n: bool(getattr(c, n)) for n in NORM_FLAGS}
+
+
 def _layer_config(c: Eagle3Config) -> dict:
     """The one Llama decoder layer, as an HF LlamaConfig dict (vocab_size = the target's)."""
-    norms = [n for n in ("norm_before_residual", "norm_before_fc", "norm_output") if getattr(c, n)]
-    if norms:  # stage-05 training options (ours only): both formats describe the original EAGLE-3 layer
-        raise ValueError(f"cannot export a drafter trained with {', '.join(norms)}: not in the exports yet")
+    if c.norm_before_residual:  # SGLang would run it without (silently wrong), and both formats must serve
+        raise ValueError(
+            "cannot export a drafter trained with norm_before_residual: SGLang 0.5.23's EAGLE-3 layer has no such "
+            "option (it would serve the drafter without it); train with norm_before_fc / fc_norm / norm_output"
+        )
     return {
         "model_type": "llama",
         "num_hidden_layers": 1,
@@ -76,6 +89,7 @@ def sglang_config(c: Eagle3Config, dtype: str = "float32") -> dict:
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "torch_dtype": dtype,
+        **norm_flags(c),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
             "use_aux_hidden_state": True,
@@ -112,10 +126,7 @@ def speculators_config(
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": models.layer_ids(c.aux_layers, "vllm"),
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **norm_flags(c),
         "torch_dtype": dtype,
     }
 
@@ -240,6 +251,8 @@ def drafter_config(fmt: str, cfg: dict, aux_layers: list[int] | None = None) -> 
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        # as the engines read them: vLLM's speculators loader defaults a missing norm_before_residual to True
+        **{n: bool(cfg.get(n, fmt == "speculators" and n == "norm_before_residual")) for n in NORM_FLAGS},
     )
 
 

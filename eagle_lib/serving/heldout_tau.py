@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle_lib import store
 from eagle_lib.data import evalsets
 from eagle_lib.serving import specdec, tables
+from eagle_lib.serving.sampling import Sampler, draft_sampler
 from eagle_lib.serving.specdec import Prompt
 
 
@@ -64,22 +66,36 @@ class Decoder:
         self.cost_ratio = float("nan")  # the last decode's seconds per drafter forward / per target verify
 
     @torch.no_grad()
-    def decode(self, drafter) -> tuple[np.ndarray, np.ndarray]:
-        """(num, den) per prompt (P,) for one drafter."""
+    def decode(
+        self,
+        drafter,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        draft: str = "greedy",
+        reps: int = 1,
+        seed: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(num, den) per prompt (P,) for one drafter: greedy (temperature 0), or sampled at `temperature` /
+        `top_p` with drafts drawn as `draft` says (`draft_sampler`), each prompt decoded `reps` times with other
+        sampling seeds (the sums add up)."""
         runner = specdec.TargetRunner(self.target, drafter.config.aux_layers)
         num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
         gens = []
-        for j, pr in enumerate(self.prompts):
-            g = specdec.speculative_generate(
-                runner,
-                specdec.EagleProposer(drafter),
-                pr.prompt_ids,
-                self.max_new_tokens,
-                self.k,
-                self.eos_ids,
-            )
-            num[j], den[j] = sum(a + 1 for a in g.accepted), len(g.accepted)
-            gens.append({"method": "eagle3", **vars(g)})
+        for r in range(reps if temperature > 0 else 1):
+            for j, pr in enumerate(self.prompts):
+                key = int(store.stable_hash([seed, r, temperature, pr.dataset, pr.id], 8), 16)
+                g = specdec.speculative_generate(
+                    runner,
+                    specdec.EagleProposer(drafter, draft_sampler(draft, temperature, key + 1)),
+                    pr.prompt_ids,
+                    self.max_new_tokens,
+                    self.k,
+                    self.eos_ids,
+                    Sampler(temperature, top_p if temperature else 1.0, 0, key),
+                )
+                num[j] += sum(a + 1 for a in g.accepted)
+                den[j] += len(g.accepted)
+                gens.append({"method": "eagle3", **vars(g)})
         runner.cache = None  # free the target's KV cache
         ratio = tables.cost_ratio(gens)
         self.cost_ratio = float("nan") if ratio is None else ratio

@@ -324,6 +324,9 @@ def measure(
 ) -> dict[float, dict]:
     """{temperature: results per dataset} for every online temperature of 06's params ``p``; requests stop at
     `stop_ids` (06's offline ones)."""
+    if not p.online_temps or (max(p.online_temps) > 0 and not p.top_p):
+        raise ValueError("online.measure: 06's params leave temperatures / top_p to the shared serving settings; "
+                         "pass Params.served(shared)")  # fmt: skip
     raw, headers = {}, auth_headers(p.online_api_key_env)
     for temp in p.online_temps:
         s = Sampling(temp, p.top_p if temp else 1.0, p.top_k if temp else 0)

@@ -89,23 +89,35 @@ def _check(checks: list[Check], name: str, ok: bool, good: str, bad: str, severi
     checks.append(Check(name, bool(ok), good if ok else bad, severity))
 
 
-def check_config(fmt: str, cfg: dict, target: dict, trained_aux: list[int] | None = None) -> list[Check]:
-    """Architecture name, shapes and aux layer ids of an export config against the target config."""
+def check_config(
+    fmt: str, cfg: dict, target: dict, trained_aux: list[int] | None = None, trained_norms: dict | None = None
+) -> list[Check]:
+    """Architecture name, shapes and aux layer ids of an export config against the target config; its norm flags
+    (as the engine reads them) against the drafter's own (``trained_norms``, `export.norm_flags`) when known."""
     out: list[Check] = []
     if fmt == "sglang":
         arch = cfg.get("architectures") or []
         bad = f"{arch}: SGLang's EAGLE3 loader needs {[export.SGLANG_ARCH]}"
         _check(out, "architectures", arch == [export.SGLANG_ARCH], f"{arch}", bad)
+        bad = "norm_before_residual set: SGLang 0.5.23's EAGLE-3 layer has no such option (served without it)"
+        _check(
+            out, "norm flags (SGLang)", not cfg.get("norm_before_residual"), "no norm_before_residual", bad
+        )
         layer = cfg
     else:
         kind = cfg.get("speculators_model_type")
         _check(out, "speculators_model_type", kind == "eagle3", "eagle3", f"{kind!r}: must be 'eagle3'")
         missing = [k for k in ("norm_before_residual", "norm_before_fc") if k not in cfg]
-        on = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if cfg.get(k)]
         bad = f"{missing} missing: vLLM then assumes norm_before_residual=True" if missing else ""
-        bad += f"{'; ' if bad else ''}{on} set: this drafter has none of those norms" if on else ""
-        _check(out, "norm flags", not missing and not on, "all false and written out", bad)
+        on = [k for k in export.NORM_FLAGS if cfg.get(k)]
+        _check(out, "norm flags", not missing, f"written out ({', '.join(on) or 'none on'})", bad)
         layer = cfg.get("transformer_layer_config") or {}
+    if trained_norms is not None:  # a flag without a weight (norm_output) is only seen here: the layer it runs
+        served = {n: bool(cfg.get(n, fmt == "speculators" and n == "norm_before_residual")) for n in export.NORM_FLAGS}
+        diff = [f"{n} {served[n]} (trained {bool(trained_norms.get(n))})" for n in export.NORM_FLAGS
+                if served[n] != bool(trained_norms.get(n))]  # fmt: skip
+        bad = f"the engine would run another layer than the trained one: {', '.join(diff)}"
+        _check(out, "norm flags = trained", not diff, ", ".join(n for n in served if served[n]) or "none on", bad)
     n = layer.get("num_hidden_layers")
     _check(out, "num_hidden_layers", n == 1, "1", f"{n}: an EAGLE-3 drafter has one decoder layer")
     th, tv, tl = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]
@@ -181,6 +193,13 @@ def check_weights(tensors: dict[str, torch.Tensor], cfg: Eagle3Config, target: d
     bad = f"{n} != draft_vocab_size {cfg.draft_vocab_size}"
     _check(out, "lm_head rows = draft_vocab_size", n == cfg.draft_vocab_size, f"{n}", bad)
     out += check_vocab_map(tensors.get("d2t"), tensors.get("t2d"), n, tv)
+    # the norm flags and their weights: an engine drops input_norm.* silently when its flag is off, and runs a
+    # flagged norm whose weight is missing at its initial ones (vLLM 0.32, SGLang 0.5.23)
+    want = {"input_norm.weight"} if cfg.norm_before_fc else set()
+    want |= {f"fc_norm.{i}.weight" for i in range(3)} if cfg.fc_norm else set()
+    have = {k for k in tensors if k.startswith(("input_norm.", "fc_norm."))}
+    bad = f"config flags need {sorted(want) or 'no norm weights'}, the weights hold {sorted(have) or 'none'}"
+    _check(out, "norm weights = norm flags", want == have, ", ".join(sorted(want)) or "none", bad)
     return out
 
 
@@ -257,6 +276,16 @@ def check_vllm_spec(spec: dict, drafter_dir: str) -> list[Check]:
     )
     n = spec.get("num_speculative_tokens", 0)
     _check(out, "vllm num_speculative_tokens", isinstance(n, int) and n >= 1, f"{n}", f"{n!r}: need >= 1")
+    ds = spec.get("draft_sample_method", "greedy")
+    _check(
+        out,
+        "vllm draft_sample_method",
+        ds in ("greedy", "probabilistic")
+        and (ds == "greedy" or spec.get("rejection_sample_method", "standard") == "standard"),
+        ds,
+        f"{ds!r} with rejection_sample_method {spec.get('rejection_sample_method')!r}: vLLM 0.32 knows greedy and "
+        "probabilistic, and uses the draft's q only with rejection_sample_method 'standard'",
+    )
     return out
 
 
@@ -268,11 +297,13 @@ def preflight(
     trust_remote_code: bool = False,
     target_config: dict | None = None,
     trained_aux: list[int] | None = None,
+    trained_norms: dict | None = None,
     **launch,
 ) -> Preflight:
     """Run every check on an export directory (either format); commands default to the generated ones.
 
-    trained_aux: the aux layers the drafter was trained on (decoder-layer outputs, 0-based), when known.
+    trained_aux: the aux layers the drafter was trained on (decoder-layer outputs, 0-based), when known;
+    trained_norms: its normalisation flags (`export.norm_flags` of its config), when known.
     """
     d = str(drafter_dir)
     try:
@@ -281,7 +312,7 @@ def preflight(
         return Preflight(d, "unknown", [Check("config.json", False, str(e))])
     rep = Preflight(d, fmt)
     tcfg = target_config or target_text_config(target, trust_remote_code)
-    rep.checks += check_config(fmt, cfg, tcfg, trained_aux)
+    rep.checks += check_config(fmt, cfg, tcfg, trained_aux, trained_norms)
     try:
         dcfg = export.drafter_config(fmt, cfg, default_aux_layers(tcfg["num_hidden_layers"]))
         rep.checks += check_weights(export.read_tensors(d, fmt), dcfg, tcfg)

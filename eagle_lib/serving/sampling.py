@@ -107,3 +107,18 @@ def _residual(p: torch.Tensor, draft: int, q: torch.Tensor | None) -> torch.Tens
     r = (p - q).clamp_min(0)
     total = float(r.sum())
     return r / total if total > 0 else p
+
+
+DRAFT_SAMPLING = ("greedy", "probabilistic")
+
+
+def draft_sampler(mode: str, temperature: float, seed: int) -> Sampler | None:
+    """How EAGLE drafts at a sampled temperature: None = the drafter's argmax (SGLang; vLLM's default
+    ``draft_sample_method: greedy``), or a draw from softmax(draft logits / T) with no top-p / top-k, as vLLM 0.32
+    draws with ``draft_sample_method: probabilistic`` (its proposer applies only the request's temperature to
+    drafts) and passes q to its rejection sampler."""
+    if mode not in DRAFT_SAMPLING:
+        raise ValueError(f"draft sampling {mode!r}: choose one of {DRAFT_SAMPLING}")
+    if mode == "greedy" or temperature <= 0:
+        return None
+    return Sampler(temperature, 1.0, 0, seed)

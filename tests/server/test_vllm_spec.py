@@ -7,6 +7,7 @@ export formats are served by vLLM with ``--speculative-config '{"method": "eagle
 (from /metrics) must agree with the offline tau and its greedy output must equal the target's.
 """
 
+import copy
 import json
 import math
 import random
@@ -17,7 +18,7 @@ import torch
 from eagle_lib import models
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.serving import export, live, online, specdec
-from eagle_lib.serving.sampling import Sampler
+from eagle_lib.serving.sampling import Sampler, draft_sampler
 from tests.support.tiny import build_world
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -40,6 +41,7 @@ NEW = 32
 SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=0)
 SHARPEN = 6.0
 SAMPLED_SEEDS, ONLINE_SEEDS, NEW_SAMPLED, Z_MAX = 8, 4, 48, 4.0
+FLATTEN = 0.35  # the probabilistic-drafting check's drafter: its lm_head scaled, so q is far from one-hot
 
 
 def target_features(target, ids: list[int], aux: list[int]):
@@ -126,9 +128,32 @@ def world(tmp_path_factory):
         for r in range(SAMPLED_SEEDS)
         for i, p in enumerate(prompts)
     ]
+    # a flatter copy of the drafter (lm_head scaled by FLATTEN: the same argmax, a spread-out q) for vLLM's
+    # probabilistic drafting, decoded offline with drafts drawn from softmax(draft logits / T) and with argmax drafts
+    flat = copy.deepcopy(drafter)
+    with torch.no_grad():
+        flat.lm_head.weight.mul_(FLATTEN)
+    flat_runs = {
+        mode: [
+            specdec.speculative_generate(
+                runner,
+                specdec.EagleProposer(flat, draft_sampler(mode, 1.0, seed=r * 100 + i + 50_000)),
+                p,
+                NEW_SAMPLED,
+                K,
+                eos,
+                Sampler(**SAMPLED, seed=r * 100 + i),
+            )
+            for r in range(SAMPLED_SEEDS)
+            for i, p in enumerate(prompts)
+        ]
+        for mode in ("greedy", "probabilistic")
+    }
     return {
         "dir": wdir,
         "target": target,
+        "flat": flat_runs,
+        "flat_exports": export.export_all(flat, root / "export_flat", str(wdir), ["LlamaForCausalLM"], K),
         "exports": export.export_all(drafter, root / "export", str(wdir), ["LlamaForCausalLM"], K),
         "prompts": [specdec.Prompt(f"p{i}", "tiny", ids) for i, ids in enumerate(prompts)],
         "offline": offline,
@@ -138,10 +163,11 @@ def world(tmp_path_factory):
     }
 
 
-def serve(world, drafter_dir, name: str, method: str = "eagle3"):
+def serve(world, drafter_dir, name: str, method: str = "eagle3", draft_sampling: str = "greedy"):
     from eagle_lib.engines.vllm_server import start_vllm
+    from eagle_lib.serving import commands
 
-    spec = {"method": method, "model": str(drafter_dir), "num_speculative_tokens": K}
+    spec = {**commands.vllm_spec(str(drafter_dir), K, draft_sampling), "method": method}
     return start_vllm(
         world["dir"],
         extra_args=["--speculative-config", json.dumps(spec)],
@@ -196,13 +222,35 @@ def test_vllm_tau_at_temperature_1_agrees_with_offline(world, speculators_server
     """Speculative sampling offline and in vLLM (greedy drafts, accept/reject on the target's T=1, top_p 0.95
     distribution): the same expected tau, and the same accepted share at each draft position, within the
     sampling error of both measurements."""
-    srv = speculators_server
-    tau_off, var, n_off = uncut_tau(world["sampled"])
-    pos_off = [sum(1 for g in world["sampled"] for a in g.matched if a > j) / n_off for j in range(K)]
+    check_sampled(speculators_server, world["prompts"], world["sampled"])
+
+
+def test_vllm_probabilistic_drafts_at_temperature_1_agree_with_offline(world):
+    """vLLM with ``draft_sample_method: probabilistic`` (drafts drawn from softmax(draft logits / T), q used by
+    the rejection sampler) against our offline model of it (`sampling.draft_sampler`), on a drafter whose q is
+    spread out: the same tau and per-position shares; and the offline argmax drafts of the same drafter give
+    another tau, so a server that drafted the argmax would fail here."""
+    greedy_tau, var_g, n_g = uncut_tau(world["flat"]["greedy"])
+    prob_tau, var_p, n_p = uncut_tau(world["flat"]["probabilistic"])
+    gap_se = math.sqrt(var_g / n_g + var_p / n_p)
+    print(
+        f"offline T=1, flattened drafter: argmax drafts tau {greedy_tau:.3f}, sampled drafts {prob_tau:.3f}"
+    )
+    assert abs(prob_tau - greedy_tau) > Z_MAX * gap_se, "the check cannot tell sampled from argmax drafts"
+    with serve(
+        world, world["flat_exports"]["speculators"], "probabilistic", draft_sampling="probabilistic"
+    ) as srv:
+        check_sampled(srv, world["prompts"], world["flat"]["probabilistic"])
+
+
+def check_sampled(srv, prompts, offline_gens) -> None:
+    """vLLM's T=1 tau and per-position accepted shares (ONLINE_SEEDS runs) against offline generations."""
+    tau_off, var, n_off = uncut_tau(offline_gens)
+    pos_off = [sum(1 for g in offline_gens for a in g.matched if a > j) / n_off for j in range(K)]
     s = online.Sampling(**SAMPLED)
     runs = [
         online.online_vllm(
-            srv.base_url, srv.model, {"tiny": world["prompts"]}, NEW_SAMPLED, K, 2, sampling=s, seed=seed
+            srv.base_url, srv.model, {"tiny": prompts}, NEW_SAMPLED, K, 2, sampling=s, seed=seed
         )["tiny"]  # fmt: skip
         for seed in range(1, ONLINE_SEEDS + 1)
     ]

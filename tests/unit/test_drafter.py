@@ -155,26 +155,40 @@ def test_forward_matches_naive_reference():
     torch.testing.assert_close(logits[0], ref_l, rtol=1e-6, atol=1e-6)
 
 
-NORM_OPTIONS = ["norm_before_residual", "norm_before_fc", "norm_output"]
+NORM_OPTIONS = ["norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"]
+EXTRA_WEIGHTS = {
+    "norm_before_fc": {"input_norm.weight": 72},
+    "fc_norm": {f"fc_norm.{i}.weight": 24 for i in range(3)},
+}
 
 
 @pytest.mark.parametrize("option", NORM_OPTIONS)
 def test_norm_option_matches_naive_reference_and_changes_only_its_part(option):
-    """Each later-EAGLE normalisation option against the hand-written layer; off = the original layer."""
+    """Each later-EAGLE normalisation option against the hand-written layer; off = the original layer. The
+    exports write the option's flag and weights (both engines run it), but for norm_before_residual, which
+    SGLang 0.5.23's layer lacks: refused."""
     base, opt = randomized(small_config()), randomized(small_config(**{option: True}))
-    if option == "norm_before_fc":
-        assert set(opt.state_dict()) - set(base.state_dict()) == {"input_norm.weight"}
-        with torch.no_grad():
-            opt.input_norm.weight.copy_(torch.randn(72, dtype=torch.float64))
-    else:
-        assert set(opt.state_dict()) == set(base.state_dict())
+    extra = EXTRA_WEIGHTS.get(option, {})
+    assert set(opt.state_dict()) - set(base.state_dict()) == set(extra)
+    with torch.no_grad():
+        for name, width in extra.items():
+            opt.get_parameter(name).copy_(torch.randn(width, dtype=torch.float64))
     opt.load_state_dict(base.state_dict(), strict=False)  # same weights: only the option differs
     ids = torch.randint(0, 40, (1, 6))
     feats = torch.randn(1, 6, 72, dtype=torch.float64)
     pos = torch.arange(2, 8)[None]
-    if option == "norm_before_fc":
-        ref = _rms(feats, opt.input_norm.weight, opt.config.rms_norm_eps) @ opt.fc.weight.T
-        torch.testing.assert_close(opt.project(feats), ref, rtol=1e-5, atol=1e-5)  # RMSNorm runs in fp32
+    if extra:
+        eps = opt.config.rms_norm_eps
+        if option == "norm_before_fc":  # one RMSNorm over the 3 H_t features
+            ref_in = _rms(feats, opt.input_norm.weight, eps)
+        else:  # one RMSNorm per aux feature, each H_t wide (vLLM's fc_norm)
+            ref_in = torch.cat(
+                [_rms(x, w, eps) for x, w in zip(feats.split(24, -1), opt.fc_norm.parameters(), strict=True)],
+                -1,
+            )
+        torch.testing.assert_close(
+            opt.project(feats), ref_in @ opt.fc.weight.T, rtol=1e-5, atol=1e-5
+        )  # fp32 norm
         assert not torch.allclose(opt.project(feats), base.project(feats))
     hidden = base.project(feats)  # the layer itself on the same input hidden
     out, logits = opt(ids, hidden, pos)
@@ -182,7 +196,7 @@ def test_norm_option_matches_naive_reference_and_changes_only_its_part(option):
     torch.testing.assert_close(out[0], ref_h, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(logits[0], ref_l, rtol=1e-6, atol=1e-6)
     b_out, b_logits = base(ids, hidden, pos)
-    if option == "norm_before_fc":  # the layer is untouched: only project differs
+    if extra:  # the layer is untouched: only project differs
         torch.testing.assert_close((out, logits), (b_out, b_logits))
     elif option == "norm_output":  # same logits, the fed-back hidden is post-norm
         torch.testing.assert_close(logits, b_logits)
@@ -193,8 +207,11 @@ def test_norm_option_matches_naive_reference_and_changes_only_its_part(option):
 
     export.sglang_config(base.config)  # the original layer exports
     for make in (export.sglang_config, lambda c: export.speculators_config(c, "t", [])):
-        with pytest.raises(ValueError, match=option):  # ours only: an engine would run another layer
-            make(opt.config)
+        if option == "norm_before_residual":
+            with pytest.raises(ValueError, match=option):  # SGLang would serve another layer
+                make(opt.config)
+        else:  # the flag is written out, the others false
+            assert {n: make(opt.config)[n] for n in NORM_OPTIONS} == {n: n == option for n in NORM_OPTIONS}
 
 
 def test_cache_append_and_crop_match_full_forward():

@@ -190,8 +190,16 @@ def test_missing_or_set_norm_flag_fails(exports):
         "assumes norm_before_residual=True"
         in failed(preflight.preflight(d, "t", target_config=TARGET))["norm flags"]
     )
+    # a flag with no weight of its own (norm_output) against the trained drafter's flags: all off here
+    trained = dict.fromkeys(export.NORM_FLAGS, False)
     edit_config(d, norm_before_residual=False, norm_output=True)
-    assert "['norm_output'] set" in failed(preflight.preflight(d, "t", target_config=TARGET))["norm flags"]
+    rep = preflight.preflight(d, "t", target_config=TARGET, trained_norms=trained)
+    assert "norm_output True (trained False)" in failed(rep)["norm flags = trained"]
+    assert preflight.preflight(d, "t", target_config=TARGET, trained_norms={**trained, "norm_output": True}).ok
+    # a flag whose weights are missing: the engine would run the norm at its initial ones
+    edit_config(d, norm_output=False, fc_norm=True)
+    rep = preflight.preflight(d, "t", target_config=TARGET, trained_norms={**trained, "fc_norm": True})
+    assert "fc_norm.0.weight" in failed(rep)["norm weights = norm flags"]
 
 
 def test_vocab_map_reference():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from eagle_lib import params, store, train
-from eagle_lib.drafter import batches, trainer, ttt
+from eagle_lib.drafter import batches, served, trainer, ttt
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, load_drafter
 from tests.support import eagle_tiny
 
@@ -428,9 +428,9 @@ LOSS_BY_HAND = {"soft_ce": 0.836988, "forward_kl": 0.143841, "reverse_kl": 0.130
 @pytest.mark.parametrize("kind", sorted(LOSS_BY_HAND))
 def test_each_loss_option_equals_its_hand_computed_value(kind):
     p, q = torch.tensor([[0.5, 0.5]], dtype=torch.float64), torch.tensor([[0.25, 0.75]], dtype=torch.float64)
-    got = ttt.per_position_loss(p.log(), q.log(), kind)
+    got = served.per_position_loss(p.log(), q.log(), kind)
     assert float(got) == pytest.approx(LOSS_BY_HAND[kind], abs=1e-6)
-    assert set(LOSS_BY_HAND) == set(ttt.LOSSES)  # every option has its hand value
+    assert set(LOSS_BY_HAND) == set(served.LOSSES)  # every option has its hand value
 
 
 def test_losses_vanish_where_the_draft_is_the_target_and_lk_leaves_lambda_undifferentiated():
@@ -438,15 +438,15 @@ def test_losses_vanish_where_the_draft_is_the_target_and_lk_leaves_lambda_undiff
     lam dKL + (1 - lam) dTV with lam held fixed (speculators' adaptive blend)."""
     logp = torch.tensor([[0.1, -0.4, 0.3]], dtype=torch.float64).log_softmax(-1)
     for kind in ("forward_kl", "reverse_kl", "jsd", "tv"):
-        assert float(ttt.per_position_loss(logp, logp, kind)) == pytest.approx(0.0, abs=1e-12)
+        assert float(served.per_position_loss(logp, logp, kind)) == pytest.approx(0.0, abs=1e-12)
     z = torch.tensor([[0.7, -0.2, 0.1]], dtype=torch.float64, requires_grad=True)
-    ttt.per_position_loss(logp, z.log_softmax(-1), "lk_hybrid").sum().backward()
+    served.per_position_loss(logp, z.log_softmax(-1), "lk_hybrid").sum().backward()
     g_lk = z.grad.clone()
     alpha = torch.minimum(logp.exp(), z.detach().softmax(-1)).sum()
     lam = float(torch.exp(-3 * alpha))
     z.grad = None
-    (lam * ttt.per_position_loss(logp, z.log_softmax(-1), "forward_kl")
-     + (1 - lam) * ttt.per_position_loss(logp, z.log_softmax(-1), "tv")).sum().backward()  # fmt: skip
+    (lam * served.per_position_loss(logp, z.log_softmax(-1), "forward_kl")
+     + (1 - lam) * served.per_position_loss(logp, z.log_softmax(-1), "tv")).sum().backward()  # fmt: skip
     torch.testing.assert_close(g_lk, z.grad)
     with pytest.raises(ValueError, match="choose one of"):
         ttt.TTT(torch.nn.Linear(1, 1), 1, 1.0, loss="hinge")

@@ -1,0 +1,131 @@
+"""The served-temperature objective (`eagle_lib.drafter.served`): hand-computed target distributions under the
+nucleus, the terms a served recipe makes, the loss it trains against the acceptance rate the real accept/reject
+rule measures, and the unroll's chunked head equal to its eager one with a nucleus term."""
+
+import math
+
+import pytest
+import torch
+
+from eagle_lib import params
+from eagle_lib.drafter import recipe, served, ttt
+from eagle_lib.serving.sampling import Sampler, draft_sampler
+from tests.unit.test_longseq import packed
+from tests.unit.test_train import drafter
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)  # softmax: .6439 .2369 .0871 .0321
+COLS = torch.tensor([0, 2, 3])  # the draft vocab: token 1 is outside it
+
+
+def _term(top_p, t=1.0, loss="tv"):
+    return served.Term(t, t, t, top_p, loss, 1.0)
+
+
+def test_the_nucleus_is_taken_over_the_whole_vocab_before_the_draft_vocab_restriction():
+    # top_p 0.9: tokens 0, 1, 2 (the mass before token 2 is .8808 < .9); in the draft vocab 0 and 2 remain
+    e2 = math.exp(2.0)
+    got = served.target_logprobs(LOGITS, COLS, _term(0.9)).exp()[0].tolist()
+    assert got == pytest.approx([e2 / (e2 + 1), 1 / (e2 + 1), 0.0], abs=1e-12)
+    # top_p 0.7: tokens 0 and 1 (.6439 before token 1 < .7), only token 0 is in the draft vocab
+    assert served.target_logprobs(LOGITS, COLS, _term(0.7)).exp()[0].tolist() == pytest.approx([1, 0, 0])
+    # no nucleus at T = 2: softmax(logits / 2) over the draft columns
+    x = [1.0, 0.0, -0.5]
+    ref = [math.exp(v) / sum(math.exp(u) for u in x) for v in x]
+    got2 = served.target_logprobs(LOGITS[:, COLS], None, _term(1.0, t=2.0)).exp()[0].tolist()
+    assert got2 == pytest.approx(ref, abs=1e-12)
+
+
+def test_a_nucleus_wholly_outside_the_draft_vocab_falls_back_to_the_untruncated_row():
+    logits = torch.tensor([[0.0, 5.0, 0.0]], dtype=torch.float64)  # token 1 holds > 0.95 of the mass
+    got = served.target_logprobs(logits, torch.tensor([0, 2]), _term(0.5))
+    assert torch.isfinite(got).all() and got.exp()[0].tolist() == pytest.approx([0.5, 0.5])
+
+
+def test_tv_and_kl_against_a_truncated_target_equal_their_hand_computed_values():
+    e2 = math.exp(2.0)
+    p = [e2 / (e2 + 1), 1 / (e2 + 1), 0.0]
+    q = [0.5, 0.25, 0.25]
+    z = torch.tensor([q], dtype=torch.float64).log()
+    tv = served.objective(LOGITS, COLS, z, [_term(0.9)])
+    assert float(tv) == pytest.approx(1 - (0.5 + p[1] + 0.0), abs=1e-12)
+    kl = served.objective(LOGITS, COLS, z, [_term(0.9, loss="forward_kl")])
+    assert float(kl) == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q, strict=True) if a > 0))
+    # T = 2 divides the draft logits too: q = softmax(log q / 2) = sqrt(q) normalised; p = softmax(l / 2)
+    sq = [math.sqrt(v) for v in q]
+    q2 = [v / sum(sq) for v in sq]
+    x = [1.0, 0.0, -0.5]
+    p2 = [math.exp(v) / sum(math.exp(u) for u in x) for v in x]
+    got = served.objective(LOGITS[:, COLS], None, z, [_term(1.0, t=2.0)])
+    assert float(got) == pytest.approx(1 - sum(min(a, b) for a, b in zip(p2, q2, strict=True)), abs=1e-12)
+
+
+def test_one_minus_the_sampled_term_is_the_acceptance_rate_the_accept_reject_rule_measures():
+    """The reference is the sampler itself: drafts drawn as vLLM draws them (softmax(z / T), no nucleus)
+    judged by `Sampler.verify` against the target at (T, top_p); 40,000 trials, within 4 standard errors."""
+    g = torch.Generator().manual_seed(0)
+    v, t, top_p = 12, 0.8, 0.9
+    target = torch.randn(1, v, generator=g, dtype=torch.float64) * 2
+    z = torch.randn(1, v, generator=g, dtype=torch.float64) * 2
+    predicted = 1 - float(served.objective(target, torch.arange(v), z, [_term(top_p, t=t)]))
+    judge = Sampler(t, top_p, 0, seed=1)
+    drafts = draft_sampler("probabilistic", t, seed=2)
+    q = torch.softmax(z[0] / t, -1)
+    n = 40_000
+    accepted = sum(judge.verify([drafts.draw(q)], torch.cat([target, target]), q[None])[0] for _ in range(n))
+    se = math.sqrt(predicted * (1 - predicted) / n)
+    assert abs(accepted / n - predicted) < 4 * se
+    # greedy drafts are accepted with p(argmax q) alone, below the sampled draft's rate here
+    p = Sampler(t, top_p).probs(target[0])
+    assert float(p[int(z.argmax())]) < predicted
+
+
+def test_a_served_recipe_makes_one_term_per_temperature_and_refuses_infinite_losses():
+    ts = served.terms([0.0, 1.0], 0.95, [], 0.1, "soft_ce", "tv")
+    assert ts == [
+        served.Term(0.0, 0.1, 1.0, 1.0, "soft_ce", 0.5),
+        served.Term(1.0, 1.0, 1.0, 0.95, "tv", 0.5),
+    ]
+    assert served.terms([], 1.0, [], 0.25, "jsd", "tv") == [served.Term(0.0, 0.25, 1.0, 1.0, "jsd", 1.0)]
+    with pytest.raises(ValueError, match="infinite where the target's nucleus"):
+        served.terms([1.0], 0.95, [], 0.1, "soft_ce", "reverse_kl")
+    assert served.terms([1.0], 1.0, [], 0.1, "soft_ce", "reverse_kl")[0].loss == "reverse_kl"
+    with pytest.raises(ValueError, match="one weight per serve temperature"):
+        served.terms([0.0, 1.0], 1.0, [1.0], 0.1, "soft_ce", "tv")
+    with pytest.raises(params.ParamsError, match="05_train_eagle3"):
+        recipe.objective(
+            recipe.Params(serve_weights=[1.0, 2.0]), params.SharedParams(serve_temperatures=[1.0])
+        )
+    with pytest.raises(ValueError, match="serve_temperatures must be distinct"):
+        params.SharedParams(serve_temperatures=[1.0, 1.0])
+
+
+@pytest.mark.parametrize("loss", ["tv", "forward_kl", "jsd", "lk_hybrid"])
+def test_losses_stay_finite_with_zeros_in_the_target_and_their_gradients_too(loss):
+    logp = served.target_logprobs(LOGITS, COLS, _term(0.9))
+    z = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    out = served.per_position_loss(logp, z.log_softmax(-1), loss)
+    (g,) = torch.autograd.grad(out.sum(), z)
+    assert torch.isfinite(out).all() and torch.isfinite(g).all()
+
+
+def test_a_nucleus_term_unrolled_with_the_chunked_head_equals_the_eager_unroll():
+    """Loss, stats and every gradient: the chunked head makes the target rows over the whole vocab per chunk."""
+    m = drafter(seed=3, n=20)
+    args = packed(45, 2, seed=1)
+    terms = served.terms([0.0, 1.0], 0.9, [0.3, 0.7], 0.5, "soft_ce", "tv")
+
+    def run(model):
+        loss, stats = model(*args)
+        return loss, stats, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+    ref = run(ttt.TTT(m, 3, 0.8, "eager", terms=terms))
+    got = run(ttt.TTT(m, 3, 0.8, "chunked", loss_chunk=4, terms=terms))
+    torch.testing.assert_close(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1])
+    for a, b in zip(got[2], ref[2], strict=True):
+        torch.testing.assert_close(a, b)
+    # and the nucleus changes the loss (the term is not the plain one)
+    plain = run(
+        ttt.TTT(m, 3, 0.8, "eager", terms=served.terms([0.0, 1.0], 1.0, [0.3, 0.7], 0.5, "soft_ce", "tv"))
+    )
+    assert abs(float(plain[0].detach()) - float(ref[0].detach())) > 1e-4
