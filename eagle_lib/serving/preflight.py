@@ -112,12 +112,19 @@ def check_config(
         on = [k for k in export.NORM_FLAGS if cfg.get(k)]
         _check(out, "norm flags", not missing, f"written out ({', '.join(on) or 'none on'})", bad)
         layer = cfg.get("transformer_layer_config") or {}
-    if trained_norms is not None:  # a flag without a weight (norm_output) is only seen here: the layer it runs
-        served = {n: bool(cfg.get(n, fmt == "speculators" and n == "norm_before_residual")) for n in export.NORM_FLAGS}
+    if (
+        trained_norms is not None
+    ):  # a flag without a weight (norm_output) is only seen here: the layer it runs
+        served = {
+            n: bool(cfg.get(n, fmt == "speculators" and n == "norm_before_residual"))
+            for n in export.NORM_FLAGS
+        }
         diff = [f"{n} {served[n]} (trained {bool(trained_norms.get(n))})" for n in export.NORM_FLAGS
                 if served[n] != bool(trained_norms.get(n))]  # fmt: skip
         bad = f"the engine would run another layer than the trained one: {', '.join(diff)}"
-        _check(out, "norm flags = trained", not diff, ", ".join(n for n in served if served[n]) or "none on", bad)
+        _check(
+            out, "norm flags = trained", not diff, ", ".join(n for n in served if served[n]) or "none on", bad
+        )
     n = layer.get("num_hidden_layers")
     _check(out, "num_hidden_layers", n == 1, "1", f"{n}: an EAGLE-3 drafter has one decoder layer")
     th, tv, tl = target["hidden_size"], target["vocab_size"], target["num_hidden_layers"]

@@ -95,13 +95,20 @@ def sglang_py() -> Path:
     return py
 
 
-def make_drafter():
+def make_drafter(norms: tuple[str, ...] = ()):
     """The export tests' drafter (10-layer target, draft vocab 96 of 160, GQA 2:1 heads, noisy norms), with a
-    non-default norm eps so the eps SGLang reads from config.json is checked for real."""
+    non-default norm eps so the eps SGLang reads from config.json is checked for real; ``norms`` on."""
     cfg = tiny.llama_config(
         vocab_size=V, intermediate_size=96, num_hidden_layers=10, rope_theta=5e4, rms_norm_eps=1e-5
     )
-    return tiny.drafter(cfg, N, seed=0, noisy_norms=True)
+    return tiny.drafter(cfg, N, seed=0, noisy_norms=True, norms=norms)
+
+
+# the norm options' weights and where SGLang 0.5.23 puts them (its input_norm / fc_norm ModuleList)
+NORM_NAMES = {
+    "norm_before_fc": {"input_norm.weight": "model.input_norm.weight"},
+    "fc_norm": {f"fc_norm.{i}.weight": f"model.fc_norm.{i}.weight" for i in range(3)},
+}
 
 
 def sglang_load(py: Path, export_dir: Path, out: Path, dtype: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -237,8 +244,8 @@ def compare(
     want = {
         ("model", "num_aux_hidden_states"): len(c.aux_layers),
         ("model", "hidden_size_in"): c.target_hidden_size,
-        ("model", "norm_before_fc"): False,
-        ("model", "norm_output"): False,
+        ("model", "norm_before_fc"): c.norm_before_fc,
+        ("model", "norm_output"): c.norm_output,
         ("model.embed_tokens", "org_vocab_size"): c.vocab_size,
         ("lm_head", "org_vocab_size"): c.draft_vocab_size,
         ("model.layers.0.self_attn.rotary_emb", "base"): c.rope_theta,
@@ -249,6 +256,8 @@ def compare(
             (m, "variance_epsilon"): c.rms_norm_eps
             for m in (
                 "model.norm",
+                *(["model.input_norm"] if c.norm_before_fc else []),
+                *(f"model.fc_norm.{i}" for i in range(3 if c.fc_norm else 0)),
                 *(
                     f"model.layers.0.{n}"
                     for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")
@@ -283,6 +292,28 @@ def test_sglang_loads_every_exported_tensor(sglang_py, tmp_path, export_dtype, s
     absent = {"model.embed_tokens.weight", "model.layers.0.self_attn.rotary_emb.cos_sin_cache"}
     assert absent <= set(LEGITIMATELY_ABSENT)
     assert set(loaded) == {*SGLANG_NAMES.values(), *absent}
+
+
+@pytest.mark.parametrize(
+    "norms",
+    [("fc_norm", "norm_output"), ("norm_before_fc", "fc_norm", "norm_output")],
+    ids=["eagle3.1", "all"],
+)
+def test_sglang_loads_the_eagle31_export_with_its_norms(sglang_py, tmp_path, norms):
+    """EAGLE-3.1 (fc_norm + norm_output; SGLang's kimi_k25_eagle3 names it so) and every servable norm: SGLang
+    builds the norms the flags ask for (norm_output and norm_before_fc read back from its model, eps included)
+    and fills each from the file, equal; a norm weight it did not build would be reported as dropped."""
+    d = make_drafter(norms)
+    path = export.export_sglang(d, tmp_path / "export", dtype="float32")
+    cfg = json.loads((path / "config.json").read_text())
+    assert {n: cfg[n] for n in export.NORM_FLAGS} == {n: n in norms for n in export.NORM_FLAGS}
+    file = load_file(str(path / export.WEIGHTS))
+    names = {k: v for n in norms for k, v in NORM_NAMES.get(n, {}).items()}
+    assert set(file) - set(NOT_CONSUMED) == set(SGLANG_NAMES) | set(names)
+    loaded, side = sglang_load(sglang_py, path, tmp_path / "loaded.safetensors", "float32")
+    problems = compare(d.config, file, loaded, side)
+    assert not problems, "\n".join(problems)
+    assert set(names.values()) <= set(loaded)
 
 
 @pytest.mark.parametrize(

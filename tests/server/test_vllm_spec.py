@@ -153,6 +153,7 @@ def world(tmp_path_factory):
         "dir": wdir,
         "target": target,
         "flat": flat_runs,
+        "v31": eagle31_world(target, prompts, greedy, eos, root, wdir),
         "flat_exports": export.export_all(flat, root / "export_flat", str(wdir), ["LlamaForCausalLM"], K),
         "exports": export.export_all(drafter, root / "export", str(wdir), ["LlamaForCausalLM"], K),
         "prompts": [specdec.Prompt(f"p{i}", "tiny", ids) for i, ids in enumerate(prompts)],
@@ -160,6 +161,35 @@ def world(tmp_path_factory):
         "sampled": sampled,
         "greedy": {f"p{i}": g for i, g in enumerate(greedy)},
         "root": root,
+    }
+
+
+def eagle31_world(target, prompts, greedy, eos, root, wdir) -> dict:
+    """An EAGLE-3.1 drafter (fc_norm + norm_output), its fc norms set away from 1 before distilling (so a server
+    that ran the EAGLE-3 layer would draft otherwise), its offline greedy runs, exports, and the offline runs of
+    the same weights with the norm flags off (the layer an engine that ignored them would run)."""
+    import dataclasses
+
+    torch.manual_seed(1)
+    d = Eagle3Drafter(dataclasses.replace(new_drafter(target).config, fc_norm=True, norm_output=True))
+    init_from_target(d, target.get_input_embeddings().weight)
+    with torch.no_grad():
+        for n in d.fc_norm:
+            n.weight.copy_(torch.rand_like(n.weight) * 1.5 + 0.25)
+    distill(d, target, prompts, [p + g for p, g in zip(prompts, greedy, strict=True)])
+    runner = specdec.TargetRunner(target, d.config.aux_layers)
+
+    def run(m):
+        return [
+            specdec.speculative_generate(runner, specdec.EagleProposer(m), p, NEW, K, eos) for p in prompts
+        ]
+
+    plain = copy.deepcopy(d)
+    plain.config = dataclasses.replace(d.config, fc_norm=False, norm_output=False)
+    return {
+        "offline": run(d),
+        "plain": run(plain),
+        "exports": export.export_all(d, root / "export_v31", str(wdir), ["LlamaForCausalLM"], K),
     }
 
 
@@ -190,8 +220,8 @@ def uncut_tau(gens) -> tuple[float, float, int]:
     return mean, sum((x + 1 - mean) ** 2 for x in a) / (len(a) - 1), len(a)
 
 
-def check_greedy(world, srv, fmt: str) -> None:
-    offline = world["offline"]
+def check_greedy(world, srv, fmt: str, offline=None) -> None:
+    offline = offline or world["offline"]
     tau_off, _, steps = uncut_tau(offline)
     assert all(g.output_ids == world["greedy"][f"p{i}"] for i, g in enumerate(offline))
     assert tau_off > 1.5, f"the distilled drafter should accept drafts offline (tau {tau_off:.2f})"
@@ -216,6 +246,20 @@ def test_vllm_tau_agrees_with_offline_speculators(world, speculators_server):
 def test_vllm_tau_agrees_with_offline_sglang_format(world):
     with serve(world, world["exports"]["sglang"], "sglang") as srv:
         check_greedy(world, srv, "sglang")
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_vllm_serves_the_eagle31_export_with_the_offline_tau(world, fmt):
+    """EAGLE-3.1 (fc_norm + norm_output): vLLM's greedy output is the target's and its tau the offline
+    decoder's; the same weights run as the EAGLE-3 layer (flags off) give another tau offline, so a server
+    that ignored the flags or the fc_norm weights would fail the check."""
+    v31 = world["v31"]
+    tau, _, _ = uncut_tau(v31["offline"])
+    tau_plain, _, _ = uncut_tau(v31["plain"])
+    print(f"EAGLE-3.1 offline tau {tau:.3f}; the same weights as the EAGLE-3 layer {tau_plain:.3f}")
+    assert abs(tau - tau_plain) > 2 * TOLERANCE, "the check cannot tell the EAGLE-3.1 layer from EAGLE-3's"
+    with serve(world, v31["exports"][fmt], f"v31-{fmt}") as srv:
+        check_greedy(world, srv, f"EAGLE-3.1 {fmt}", v31["offline"])
 
 
 def test_vllm_tau_at_temperature_1_agrees_with_offline(world, speculators_server):

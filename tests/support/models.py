@@ -5,6 +5,7 @@ Defaults: hidden 64, 2 heads of head_dim 32 (vLLM's CPU backend rejects smaller 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -48,14 +49,21 @@ def vocab_map(vocab: int, n_draft: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 
 def drafter(
-    target_config, n_draft: int, seed: int = 0, aux_layers: list[int] | None = None, noisy_norms=False
+    target_config,
+    n_draft: int,
+    seed: int = 0,
+    aux_layers: list[int] | None = None,
+    noisy_norms=False,
+    norms: tuple[str, ...] = (),
 ):
-    """A random Eagle3Drafter for ``target_config`` with a random draft vocab (full vocab when n_draft == vocab)."""
+    """A random Eagle3Drafter for ``target_config`` with a random draft vocab (full vocab when n_draft == vocab)
+    and the normalisation options ``norms`` on (e.g. ("fc_norm", "norm_output"): EAGLE-3.1)."""
     from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
 
     torch.manual_seed(seed)
     kw = {} if aux_layers is None else {"aux_layers": aux_layers}
-    d = Eagle3Drafter(Eagle3Config.from_target_config(target_config, draft_vocab_size=n_draft, **kw))
+    config = Eagle3Config.from_target_config(target_config, draft_vocab_size=n_draft, **kw)
+    d = Eagle3Drafter(dataclasses.replace(config, **dict.fromkeys(norms, True)))
     if noisy_norms:
         with torch.no_grad():
             for p in d.parameters():  # norms away from 1 so a swapped norm would show

@@ -195,7 +195,9 @@ def test_missing_or_set_norm_flag_fails(exports):
     edit_config(d, norm_before_residual=False, norm_output=True)
     rep = preflight.preflight(d, "t", target_config=TARGET, trained_norms=trained)
     assert "norm_output True (trained False)" in failed(rep)["norm flags = trained"]
-    assert preflight.preflight(d, "t", target_config=TARGET, trained_norms={**trained, "norm_output": True}).ok
+    assert preflight.preflight(
+        d, "t", target_config=TARGET, trained_norms={**trained, "norm_output": True}
+    ).ok
     # a flag whose weights are missing: the engine would run the norm at its initial ones
     edit_config(d, norm_output=False, fc_norm=True)
     rep = preflight.preflight(d, "t", target_config=TARGET, trained_norms={**trained, "fc_norm": True})
