@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env sglang-env router-env bench-env run test test-unit toy lint lab
+.PHONY: env vllm-env sglang-env router-env bench-env specforge-env run test test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ router-env:
 # Separate venv with PyPI speculators 0.9 for benchmarks/bench_train.py (side-by-side training speed).
 bench-env:
 	bash scripts/install_speculators.sh
+
+# Separate venv with PyPI specforge 0.2.0 (torch from the local CPU build): benchmarks/bench_quality.py's third side.
+specforge-env:
+	bash scripts/install_specforge.sh
 
 toy: env
 	$(PY) -m eagle_lib.toy build

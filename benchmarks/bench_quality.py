@@ -130,7 +130,9 @@ def worker_speculators(spec_path: str) -> dict:
         norm_before_residual=False,
         norm_before_fc=False,
         norm_output=False,
-        eagle_aux_hidden_state_layer_ids=spec["aux_layers"],
+        # the config key is in vLLM's numbering (our ids + 1: `models.layer_ids`), which every reader of the
+        # saved model (vLLM, our load_export) applies; features are computed here from spec["aux_layers"]
+        eagle_aux_hidden_state_layer_ids=spec["config_aux_ids"],
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=spec["k"])],
@@ -180,6 +182,16 @@ def worker_speculators(spec_path: str) -> dict:
 
 
 # --- our side and the comparison (runs in .venv) ---------------------------------------------------------------
+def worker_spec(aux_layers: list[int]) -> dict:
+    """The layer part of a worker's spec: ``aux_layers`` (0-based decoder-layer outputs: the features it trains
+    on) and ``config_aux_ids``, the same layers as its saved config must name them (vLLM's numbering, which
+    speculators' ``eagle_aux_hidden_state_layer_ids`` is read in). Until this was split, the worker wrote our
+    0-based ids there, so its drafter was decoded (offline and by vLLM) on the layers below the trained ones."""
+    from eagle_lib import models
+
+    return {"aux_layers": list(aux_layers), "config_aux_ids": models.layer_ids(aux_layers, "vllm")}
+
+
 def _stage_config(run_dir: Path, work: Path, a, preset: str):
     import yaml
 
@@ -245,13 +257,22 @@ def _tau(drafter, target, tokenizer, held, a) -> dict:
     return measure.Meter(target, drafter.config.aux_layers, prompts, a.new_tokens, a.drafts, eos)(drafter)
 
 
+def _sampled_tau(drafter, decoder, a, temperature: float) -> float:
+    """Offline tau at a sampled temperature (`heldout_tau.Decoder.decode`: the target's T / --top-p
+    distribution, drafts drawn as --draft-sampling says, --reps sampling seeds a prompt, sums pooled)."""
+    num, den = decoder.decode(drafter, temperature, a.top_p, a.draft_sampling, a.reps)
+    return float(num.sum() / den.sum())
+
+
 def _served_tau(cfg, export_dir: Path, prompts: list, a, log_dir: Path) -> dict:
-    """vLLM's tau for one export: a local CPU server with it as the toy target's EAGLE-3 drafter, greedy."""
+    """vLLM's tau for one export: a local CPU server with it as the toy target's EAGLE-3 drafter, greedy, and
+    at each sampled --temperatures (T, --top-p, --draft-sampling as vLLM's draft_sample_method; --reps request
+    seeds): {"tau", ..., "sampled": {T: tau}}."""
     from eagle_lib import models
     from eagle_lib.engines.vllm_server import start_vllm
-    from eagle_lib.serving import online
+    from eagle_lib.serving import commands, online
 
-    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": a.drafts}
+    spec = commands.vllm_spec(str(export_dir), a.drafts, a.draft_sampling)
     max_len = max(len(p.prompt_ids) for p in prompts) + a.new_tokens + 2 * a.drafts + 8
     with start_vllm(
         models.resolve(cfg.shared.target),
@@ -260,9 +281,16 @@ def _served_tau(cfg, export_dir: Path, prompts: list, a, log_dir: Path) -> dict:
         max_model_len=max_len,
         log_dir=log_dir,
     ) as srv:
-        return online.online_vllm(srv.base_url, srv.model, {"heldout": prompts}, a.new_tokens, a.drafts)[
+        res = online.online_vllm(srv.base_url, srv.model, {"heldout": prompts}, a.new_tokens, a.drafts)[
             "heldout"
         ]
+        res["sampled"] = {}
+        for t in (t for t in a.temperatures if t > 0):
+            s = online.Sampling(temperature=t, top_p=a.top_p, top_k=0)
+            runs = [online.online_vllm(srv.base_url, srv.model, {"heldout": prompts}, a.new_tokens, a.drafts, 2,
+                                       sampling=s, seed=seed)["heldout"] for seed in range(1, a.reps + 1)]  # fmt: skip
+            res["sampled"][t] = 1 + sum(r["accepted"] for r in runs) / sum(r["drafts"] for r in runs)
+        return res
 
 
 def _lossless(target, prompts: list, served: dict, new_tokens: int) -> dict[str, int]:
@@ -302,6 +330,8 @@ def main() -> None:
     )
     ap.add_argument("--attention", default="sdpa", help="speculators' attention implementation")
     ap.add_argument("--spec-python", default=str(ROOT / ".venv-speculators/bin/python"))
+    ap.add_argument("--sf-python", default=str(ROOT / ".venv-specforge/bin/python"),
+                    help="SpecForge 0.2.0's venv (make specforge-env): the third side, benchmarks/specforge_side.py")  # fmt: skip
     ap.add_argument(
         "--keep", action="store_true", help="keep the work directory (both drafters, the batches)"
     )
@@ -312,6 +342,21 @@ def main() -> None:
         choices=["", "adamw", "muon"],
         help="our side's optimizer: empty takes params/toy.yaml's; adamw compares optimizer for optimizer",
     )
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="0: greedy; T > 0: speculative sampling at T (offline, and served with --vllm)",
+    )
+    ap.add_argument("--top-p", type=float, default=0.95, help="the target's nucleus at T > 0 (toy.yaml's)")
+    ap.add_argument(
+        "--draft-sampling",
+        default="probabilistic",
+        choices=["greedy", "probabilistic"],
+        help="drafts at T > 0, both sides: probabilistic = vLLM's draft_sample_method (q = softmax(z / T))",
+    )
+    ap.add_argument("--reps", type=int, default=3, help="sampling seeds a prompt at T > 0 (sums pooled)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -322,6 +367,8 @@ def main() -> None:
         return
     if not Path(a.spec_python).exists():
         sys.exit(f"{a.spec_python} missing: run `make bench-env` first")
+    if not Path(a.sf_python).exists():
+        sys.exit(f"{a.sf_python} missing: run `make specforge-env` first")
     run_dir = Path(a.run_dir)
     if not list(run_dir.glob("infer/*/responses.jsonl")):
         sys.exit(f"{run_dir}: no infer/*/responses.jsonl; run stages 01-03 first")
@@ -344,9 +391,8 @@ def main() -> None:
     drafter = load_drafter(work / "drafter" / "final")
     vmap = work / "vocab_map.safetensors"
     save_file({"d2t": drafter.d2t.contiguous(), "t2d": drafter.t2d.contiguous()}, str(vmap))
-    spec = {
+    spec = worker_spec(drafter.config.aux_layers) | {
         "target": str(models.resolve("toy://target")),
-        "aux_layers": drafter.config.aux_layers,
         "intermediate_size": drafter.config.intermediate_size,  # the same draft layer on both sides
         "k": a.k,
         "decay": a.decay,
@@ -373,23 +419,52 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"speculators worker failed:\n{proc.stderr[-3000:]}")
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    (work / "sf_spec.json").write_text(json.dumps({**spec, "out": str(work / "specforge")}))
+    proc = subprocess.run(
+        [a.sf_python, str(ROOT / "benchmarks" / "specforge_side.py"), str(work / "sf_spec.json")],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        sys.exit(f"SpecForge worker failed:\n{proc.stderr[-3000:]}")
+    sf = json.loads(proc.stdout.strip().splitlines()[-1])
     target = models.load_target(cfg.shared, device="cpu")
     tokenizer = models.load_tokenizer(cfg.shared)
     _, held, _ = batches.load_sequences(run_dir, cfg.shared.heldout_percent, cfg.stage.max_seq_len, 0, 0)
     embed = target.get_input_embeddings().weight.detach()
     their_drafter = export.load_export(work / "speculators", embed, drafter.config.aux_layers)
-    t_ours, t_theirs = (
+    sf_drafter = export.load_export(work / "specforge", embed, drafter.config.aux_layers)
+    for name, d in (
+        ("speculators", their_drafter),
+        ("SpecForge", sf_drafter),
+    ):  # the layers their configs name
+        if d.config.aux_layers != drafter.config.aux_layers:
+            sys.exit(
+                f"{name}: saved config names aux layers {d.config.aux_layers}, trained on {drafter.config.aux_layers}"
+            )
+    t_ours, t_theirs, t_sf = (
         _tau(drafter, target, tokenizer, held, a),
         _tau(their_drafter, target, tokenizer, held, a),
+        _tau(sf_drafter, target, tokenizer, held, a),
     )
-    ratio = t_ours["tau"] / t_theirs["tau"]
+    ratio, ratio_sf = t_ours["tau"] / t_theirs["tau"], t_ours["tau"] / t_sf["tau"]
+    from eagle_lib.data.evalsets import Prompt
+    from eagle_lib.serving import heldout_tau
+
+    ids = measure.prompts_of(held, a.prompts, 1024)
+    prompts = [Prompt(f"p{i}", "heldout", x) for i, x in enumerate(ids)]
+    decoder = heldout_tau.Decoder(target, prompts, a.new_tokens, a.drafts, models.stop_ids(tokenizer, target))
+    sampled = {
+        t: {
+            "ours": _sampled_tau(drafter, decoder, a, t),
+            "speculators": _sampled_tau(their_drafter, decoder, a, t),
+            "SpecForge": _sampled_tau(sf_drafter, decoder, a, t),
+        }
+        for t in a.temperatures
+        if t > 0
+    }
     served = {}
     if a.vllm:
         exports = {"ours": work / "drafter" / "export" / "speculators", "speculators": work / "speculators"}
-        from eagle_lib.data.evalsets import Prompt
-
-        ids = measure.prompts_of(held, a.prompts, 1024)
-        prompts = [Prompt(f"p{i}", "heldout", x) for i, x in enumerate(ids)]
         for side, d in exports.items():
             served[side] = _served_tau(cfg, d, prompts, a, work / f"vllm-{side}")
         for side, same in _lossless(target, prompts, served, a.new_tokens).items():
@@ -409,12 +484,23 @@ def main() -> None:
         f"  speculators 0.9  tau {t_theirs['tau']:.3f}  acc {[round(x, 3) for x in t_theirs['acc']]}  "
         f"train {theirs['train_s']:.0f} s (steps only)"
     )
-    print(f"  tau ours / speculators = {ratio:.3f}")
+    print(
+        f"  SpecForge 0.2.0  tau {t_sf['tau']:.3f}  acc {[round(x, 3) for x in t_sf['acc']]}  "
+        f"train {sf['train_s']:.0f} s (steps only)"
+    )
+    print(f"  T=0: tau ours / speculators = {ratio:.3f}   ours / SpecForge = {ratio_sf:.3f}")
+    for t, r in sampled.items():
+        print(f"  T={t:g} (top_p {a.top_p}, {a.draft_sampling} drafts, {a.reps} seeds a prompt): ours {r['ours']:.3f}  "
+              f"speculators {r['speculators']:.3f}  SpecForge {r['SpecForge']:.3f}  ours / speculators = "
+              f"{r['ours'] / r['speculators']:.3f}   ours / SpecForge = {r['ours'] / r['SpecForge']:.3f}")  # fmt: skip
     for side, r in served.items():
         print(f"  vLLM serving {side:12s} tau {r['tau']:.3f}  acc {[round(x, 3) for x in r['acc']]}  "
               f"({r['drafts']:.0f} verify steps; output = offline greedy on {r['same']}/{r['n']} prompts)")  # fmt: skip
     if len(served) == 2:
         print(f"  vLLM tau ours / speculators = {served['ours']['tau'] / served['speculators']['tau']:.3f}")
+        for t in served["ours"]["sampled"]:
+            o, s_ = served["ours"]["sampled"][t], served["speculators"]["sampled"][t]
+            print(f"  vLLM T={t:g}: ours {o:.3f}  speculators {s_:.3f}  ours / speculators = {o / s_:.3f}")
     print(
         json.dumps(
             {
@@ -424,10 +510,15 @@ def main() -> None:
                 "ours_tau": t_ours["tau"],
                 "speculators_tau": t_theirs["tau"],
                 "ratio": ratio,
+                "specforge_tau": t_sf["tau"],
+                "ratio_specforge": ratio_sf,
+                "specforge_train_s": sf["train_s"],
                 "ours_s": ours_s,
                 "speculators_train_s": theirs["train_s"],
                 "heldout_acc_0": ours["heldout"]["acc"][0],
                 "vllm_tau": {side: r["tau"] for side, r in served.items()},
+                "sampled_tau": {str(t): r for t, r in sampled.items()},
+                "vllm_sampled_tau": {side: r["sampled"] for side, r in served.items()},
             }
         )
     )

@@ -133,10 +133,14 @@ ON_PREVIOUS = {
 # a term per served temperature (eagle_lib/drafter/served.py); decode with --temperatures 0 1 to see both
 SERVE_01 = {"shared.serve_temperatures": [0.0, 1.0], "shared.serve_top_p": 0.95}
 ON_TOY = {
+    # toy.yaml before the served recipe: the greedy term alone (what 05 trained before serve_temperatures)
+    "greedy_only": {"shared.serve_temperatures": []},
     "serve_01_tv": SERVE_01,
     "serve_01_fkl": {**SERVE_01, "sampled_loss": "forward_kl"},
     "serve_01_lk": {**SERVE_01, "sampled_loss": "lk_hybrid"},
     "serve_01_tv_w3": {**SERVE_01, "serve_weights": [0.25, 0.75]},
+    "serve_01_nla": {**SERVE_01, "sampled_loss": "nla"},
+    "serve_01_nla_w3": {**SERVE_01, "sampled_loss": "nla", "serve_weights": [0.25, 0.75]},
     "serve_1_tv": {**SERVE_01, "shared.serve_temperatures": [1.0]},
     "serve_1_fkl": {**SERVE_01, "shared.serve_temperatures": [1.0], "sampled_loss": "forward_kl"},
     "serve_01_fkl_w3": {**SERVE_01, "sampled_loss": "forward_kl", "serve_weights": [0.25, 0.75]},
@@ -150,7 +154,8 @@ ON_TOY = {
         "serve_weights": [0.25, 0.75],
     },
 }
-# "baseline" is params/toy.yaml itself (since this change: combo_t0.1_muon)
+# "baseline" is params/toy.yaml itself (since the served recipe: serve_01_lk; before it greedy_only, and before
+# that combo_t0.1_muon)
 VARIANTS = {"baseline": {}, **ON_TOY, **{name: {**PREVIOUS, **over} for name, over in ON_PREVIOUS.items()}}
 
 

@@ -29,3 +29,26 @@ def test_seed_table_states_each_seed_the_mean_the_sample_sd_and_the_paired_diffe
     assert muon[4].strip() == "+0.085 (2 seeds)"
     assert float(muon[3]) == round(statistics.stdev([3.80, 3.71]), 3)
     assert solo[3].strip() == "" and solo[4].strip() == ""  # one seed: no spread, no shared seed
+
+
+def test_the_speculators_worker_names_the_trained_layers_as_its_readers_read_them():
+    """bench_quality's speculators worker trains on `aux_layers` and writes `config_aux_ids` into the saved
+    config; our reader of that config (as vLLM reads it: speculators' key is 1-based) must get the trained
+    layers back. The old worker wrote the trained ids themselves: the reader then got [0, 2, 5]."""
+    import bench_quality
+
+    from eagle_lib.serving import export
+
+    spec = bench_quality.worker_spec([1, 3, 6])
+    assert spec["aux_layers"] == [1, 3, 6] and spec["config_aux_ids"] == [
+        2,
+        4,
+        7,
+    ]  # vLLM: hidden_states[i + 1]
+    assert export.aux_layers_of(
+        "speculators", {"eagle_aux_hidden_state_layer_ids": spec["config_aux_ids"]}
+    ) == [
+        1,
+        3,
+        6,
+    ]
