@@ -1,4 +1,8 @@
-"""Drafter quality at equal budget: our stage-05 drafter vs speculators 0.9's Eagle3DraftModel, both by decoding.
+"""Drafter quality at equal budget: our stage-05 drafter vs speculators 0.9's Eagle3DraftModel and SpecForge
+0.2.0's EAGLE-3 draft model (benchmarks/specforge_side.py: SpecForge's own TTT forward and loss, in its own venv
+made by scripts/install_specforge.sh), all three by decoding, at T=0 and at each sampled ``--temperatures``.
+SpecForge trains on the same spec as speculators (micro-batches, hidden states, schedule, AdamW, vocab map, init);
+its loss is its own (soft cross-entropy per TTT step averaged over every padded position, decay as given).
 
 Both train on the same toy run's training sequences (``--run-dir``, stages 01-03 done), in the same micro-batches
 (our `BatchStream`: ``--rows`` packed rows of ``--pack-len`` tokens per step, which speculators reads as one row), with the same hidden states (the toy
@@ -14,8 +18,10 @@ on by default for eagle3, but our drafter, our exports and the offline decoder i
 layer, and the comparison decodes both with the same code.
 
 Both drafters are then measured by greedy speculative decoding (`eagle_lib.serving.specdec`, as stage 06) on the
-same held-out prompts, speculators' model loaded through our reader of its own save format
-(`eagle_lib.serving.export.load_export`). Prints tau per side and the ratio ours / speculators.
+same held-out prompts, speculators' and SpecForge's models loaded through our reader of their own save formats
+(`eagle_lib.serving.export.load_export`, which must read back the aux layers each was trained on). At T > 0 every
+side is decoded by speculative sampling (`heldout_tau.Decoder`, --top-p, drafts drawn as --draft-sampling says,
+--reps seeds a prompt). Prints tau per side and the ratios ours / speculators and ours / SpecForge.
 
     .venv/bin/python benchmarks/bench_quality.py [--run-dir outputs/toy] [--steps 80] [--k 3] [--lr 5e-3] [--vllm]
 
