@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 
 from eagle_lib.drafter import longseq, seqpar, served
 from eagle_lib.drafter.model import Eagle3Drafter
-from eagle_lib.drafter.served import LOSSES
 
 # (steps k, per-step loss decay) of the public trainers
 PRESETS = {"eagle": (7, 0.8), "specforge": (7, 0.8), "speculators": (3, 1.0), "modelopt": (3, 0.9)}
@@ -124,13 +123,9 @@ class TTT(nn.Module):
             raise ValueError(f"attention {attention!r}: choose one of {sorted(ATTENTION)}")
         if feed not in FEEDS:
             raise ValueError(f"ttt_input {feed!r}: choose one of {list(FEEDS)}")
-        if target_temperature <= 0:
-            raise ValueError(f"target_temperature must be > 0 (got {target_temperature})")
-        if loss not in LOSSES:
-            raise ValueError(f"loss {loss!r}: choose one of {LOSSES}")
-        self.drafter, self.steps, self.decay, self.feed, self.loss = drafter, steps, decay, feed, loss
-        self.temperature = target_temperature
+        self.drafter, self.steps, self.decay, self.feed = drafter, steps, decay, feed
         # the objective (`served`): one term per served temperature; None = the greedy recipe's single term
+        # (`served.terms` checks the loss names and temperatures)
         self.terms = terms or served.terms([], 1.0, [], target_temperature, loss, loss)
         self.plain = all(t.plain for t in self.terms)  # no nucleus: the draft vocab's target logits suffice
         self.attention, self.chunked = ATTENTION[attention], attention == "chunked"
