@@ -1,7 +1,7 @@
 """Stage-05 recipe variants side by side, each measured by decoding the held-out prompts (06's tau).
 
-Every variant is params/toy.yaml's 05 section plus a few overrides, trained by stage 05 itself (`train.run`) on a
-cached run's stages 01-03 (``--run-dir``, read only: its data/ and infer/ are symlinked into a fresh work
+Every variant is params/toy.yaml's 05 section (``--params``: another params file's, e.g. the mini-Kimi world's for
+the kimi_* variants) plus a few overrides, trained by stage 05 itself (`train.run`) on a cached run's stages 01-03 (``--run-dir``, read only: its data/ and infer/ are symlinked into a fresh work
 directory per variant). Each trained drafter is then decoded greedily on 06's held-out prompts (``--per-dataset``
 per dataset, ``--new-tokens`` tokens, ``--drafts`` drafts per verify step; `eagle_lib.serving.heldout_tau`, as 06
 and 07 decode), and one line per variant prints its tau, the held-out teacher-forced accuracy per position, the
@@ -13,6 +13,8 @@ appended as JSON lines to ``--out``.
 
     nice -n 5 .venv/bin/python benchmarks/bench_recipe.py --steps 200 --variants baseline norm_before_residual
     nice -n 5 .venv/bin/python benchmarks/bench_recipe.py --steps 200 --variants baseline muon --seeds 0 1 2
+    .venv/bin/python benchmarks/bench_recipe.py --params params/mini_kimi.yaml --run-dir outputs/mini_kimi \
+        --variants kimi_gqa kimi_mla --seeds 0 1 2
 
 Two processes on different variants can share a machine; wall times then include the other's load.
 """
@@ -154,9 +156,29 @@ ON_TOY = {
         "serve_weights": [0.25, 0.75],
     },
 }
+# the MLA draft layer against the Llama-style one on the mini-Kimi world (``--params params/mini_kimi.yaml
+# --run-dir outputs/mini_kimi``): its 05 section is the Kimi run's (vLLM producers, FSDP on 2 ranks, bf16, lr 1e-4,
+# 2 epochs: a plumbing check that never leaves tau 1), so both arms train here on one CPU process from the HF
+# target's own hidden states, in fp32, with the toy's optimizer settings, at the same steps and data
+MINI_KIMI_CPU = {"hidden_source": "online", "nproc_per_node": 1, "precision": "fp32", "attention": "eager",
+                 "checkpoint_steps": False, "loss_chunk": 0, "ttt_preset": "speculators", "learning_rate": 0.01,
+                 "optimizer": "muon", "grad_clip": 2.0, "adam_betas": [0.9, 0.999], "warmup_steps": 10,
+                 "target_temperature": 0.1, "max_eval_samples": 8}  # fmt: skip
+ON_MINI_KIMI = {
+    "kimi_gqa": {**MINI_KIMI_CPU, "draft_attention": "gqa"},  # the Llama-style layer (head_dim 64, 2 heads)
+    "kimi_mla": {
+        **MINI_KIMI_CPU,
+        "draft_attention": "mla",
+    },  # the target's latent attention (Eagle3DeepseekV2)
+}
 # "baseline" is params/toy.yaml itself (since the served recipe: serve_01_lk; before it greedy_only, and before
 # that combo_t0.1_muon)
-VARIANTS = {"baseline": {}, **ON_TOY, **{name: {**PREVIOUS, **over} for name, over in ON_PREVIOUS.items()}}
+VARIANTS = {
+    "baseline": {},
+    **ON_TOY,
+    **ON_MINI_KIMI,
+    **{name: {**PREVIOUS, **over} for name, over in ON_PREVIOUS.items()},
+}
 
 
 @contextlib.contextmanager
@@ -217,13 +239,19 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def stage_config(
-    run_dir: Path, work: Path, steps: int, over: dict, measure_every: int, seed: int | None = None
+    run_dir: Path,
+    work: Path,
+    steps: int,
+    over: dict,
+    measure_every: int,
+    seed: int | None = None,
+    params_file: Path = ROOT / "params" / "toy.yaml",
 ):
     import yaml
 
     from eagle_lib import params, train
 
-    raw = yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())
+    raw = yaml.safe_load(Path(params_file).read_text())
     stage = dict(raw["stages"]["05_train_eagle3"])
     factor = over.pop("_steps_factor", 1.0)
     over.pop("_ema_decay", None)
@@ -276,6 +304,10 @@ def sampled_key(temperature: float, mode: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", default=str(ROOT / "outputs" / "toy"))
+    ap.add_argument(
+        "--params", default=str(ROOT / "params" / "toy.yaml"),
+        help="the params file whose shared and 05 sections the variants override (its run's --run-dir)",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--variants", nargs="+", default=["baseline"])
     ap.add_argument("--per-dataset", type=int, default=8, help="held-out prompts per dataset (06's default)")
@@ -319,7 +351,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     specs = [parse_variant(v) for v in a.variants]
-    shared = params.SharedParams(**yaml.safe_load((ROOT / "params" / "toy.yaml").read_text())["shared"])
+    shared = params.SharedParams(**yaml.safe_load(Path(a.params).read_text())["shared"])
     target = models.load_target(shared, device="cpu")
     eos = models.stop_ids(models.load_tokenizer(shared), target)
     prompts, _ = heldout_tau.heldout_prompts(run_dir, shared.heldout_percent, a.per_dataset, 768)
@@ -333,7 +365,7 @@ def main() -> None:
     rows = []
     for (name, over), seed in ((v, s) for v in specs for s in a.seeds):
         work = Path(tempfile.mkdtemp(prefix=f"recipe_{name}_", dir=out.parent))
-        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every, seed)
+        cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every, seed, Path(a.params))
         t0 = time.perf_counter()
         with ema_weights(over.get("_ema_decay", 0.0)):
             summary = train.run(cfg)

@@ -265,6 +265,11 @@ def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list
     from eagle_lib import models
     from eagle_lib.serving import live, online
 
+    if p.online_format not in exports:
+        raise ValueError(
+            f"06 online_format {p.online_format!r}: the drafter has no such export (it has {sorted(exports)}; an MLA "
+            "draft layer has the sglang layout only, which vLLM serves as Eagle3DeepseekV2ForCausalLM)"
+        )
     url = p.online_url.rstrip("/")
     if p.online_engine == "sglang" or url:
         raw = online.measure(p, shared.seed, url, p.online_model, prompts, eos)
@@ -287,11 +292,17 @@ def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list
 
 
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:
-    """Stage 05's exports when complete, else export the drafter (load()) into eval/export/ (both formats)."""
+    """Stage 05's exports when complete, else export the drafter (load()) into eval/export/ (every format it
+    has: `export.formats_for`)."""
     from eagle_lib import models
+    from eagle_lib.drafter.model import CONFIG_FILE, Eagle3Config
     from eagle_lib.serving import export
 
-    made = {f: cfg.out("drafter", "export", f) for f in export.FORMATS}
+    saved = drafter_dir / CONFIG_FILE
+    fmts = export.FORMATS
+    if saved.exists():
+        fmts = export.formats_for(Eagle3Config.from_dict(json.loads(saved.read_text())["config"]))
+    made = {f: cfg.out("drafter", "export", f) for f in fmts}
     if all((d / export.CONFIG).exists() and (d / export.WEIGHTS).exists() for d in made.values()):
         return made
     arch = list(tcfg.get("architectures") or ["LlamaForCausalLM"])

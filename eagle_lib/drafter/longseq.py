@@ -59,14 +59,15 @@ class _ChunkedTTTAttention(torch.autograd.Function):
         b, h, t, dim = q.shape
         scale = dim**-0.5
         pairs = block_pairs(doc_ids, block)
-        out = torch.empty(b, h, t, dim, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        dv = v0.shape[-1]  # the value width (MLA: v_head_dim, not the query/key width)
+        out = torch.empty(b, h, t, dv, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         lse = torch.empty(b, h, t, dtype=out.dtype, device=q.device)
         for qb, kbs in enumerate(pairs):
             qs = slice(qb * block, min(t, (qb + 1) * block))
             qq = _fp32(q[:, :, qs]) * scale
             m = torch.full(qq.shape[:-1], float("-inf"), dtype=qq.dtype, device=q.device)
             den = torch.zeros_like(m)
-            acc = torch.zeros_like(qq)
+            acc = qq.new_zeros(*qq.shape[:-1], dv)
             for kb in kbs:
                 ks = slice(kb * block, min(t, (kb + 1) * block))
                 s = qq @ _fp32(k0[:, :, ks]).transpose(-1, -2)
@@ -91,9 +92,10 @@ class _ChunkedTTTAttention(torch.autograd.Function):
         scale = dim**-0.5
         do = _fp32(dout)
         dl = (do * out).sum(-1)  # (B, h, T)
-        dq, dk0, dv0 = (torch.zeros_like(out) for _ in range(3))
+        dq, dk0 = (torch.zeros(q.shape, dtype=out.dtype, device=q.device) for _ in range(2))
+        dv0 = torch.zeros(v0.shape, dtype=out.dtype, device=q.device)
         dkd = torch.zeros(kd.shape, dtype=out.dtype, device=q.device)
-        dvd = torch.zeros_like(dkd)
+        dvd = torch.zeros(vd.shape, dtype=out.dtype, device=q.device)
         for qb, kbs in enumerate(pairs):
             qs = slice(qb * block, min(t, (qb + 1) * block))
             qq = _fp32(q[:, :, qs]) * scale
@@ -143,7 +145,7 @@ def ttt_attention_chunked(q, k0, v0, doc_ids, ks: list, vs: list, block: int | N
     if ks:
         kd, vd = torch.stack(ks, 3), torch.stack(vs, 3)
     else:
-        kd = vd = q.new_zeros(b, h, t, 0, dim)
+        kd, vd = q.new_zeros(b, h, t, 0, dim), v0.new_zeros(b, h, t, 0, v0.shape[-1])
     return _ChunkedTTTAttention.apply(q, k0, v0, kd, vd, doc_ids, block or BLOCK)
 
 

@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter: fc (3H_t -> H), one Llama decoder layer over concat(embedding, feature), norm, lm_head.
+"""The EAGLE-3 drafter: fc (3H_t -> H), one Llama decoder layer over concat(embedding, feature), norm, lm_head
+(``attention: mla``: the layer's attention is DeepSeek-V2's latent attention instead, `eagle_lib.drafter.mla`).
 
 State-dict keys are exactly the EAGLE / SGLang checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``, buffers ``d2t`` / ``t2d``) plus ``embed_tokens.weight``, the target's frozen embedding,
@@ -48,6 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_lib import models
+from eagle_lib.drafter.mla import MLAAttention, mla_qkv
+from eagle_lib.drafter.norms import RMSNorm
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "drafter_config.json"
@@ -74,14 +77,42 @@ class Eagle3Config:
     norm_before_fc: bool = False  # RMSNorm ``input_norm`` (3H_t) on the concatenated features before fc
     norm_output: bool = False  # the hidden fed back to the next draft step is norm(out), not the pre-norm out
     fc_norm: bool = False  # an RMSNorm per aux feature (H_t each) before fc (EAGLE-3.1, with norm_output)
+    # the layer's attention: "gqa" (Llama: q/k/v/o_proj) or "mla" (DeepSeek-V2 latent attention, `drafter.mla`:
+    # vLLM's Eagle3DeepseekV2ForCausalLM, SGLang's kimi_k25_eagle3) with the MLA shapes below (0: unused)
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self):
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"drafter attention {self.attention!r}: choose one of {list(ATTENTIONS)}")
+        if self.attention == "mla" and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError("an MLA draft layer has one key/value head per query head (num_key_value_heads)")
 
     @classmethod
-    def from_target_config(cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None):
-        """A drafter as wide as the target; aux layers default to [1, L//2-1, L-4] (0-based decoder layers)."""
+    def from_target_config(
+        cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None, attention: str = "gqa"
+    ):
+        """A drafter as wide as the target; aux layers default to [1, L//2-1, L-4] (0-based decoder layers).
+        ``attention="mla"`` takes the target's MLA shapes (heads, q/kv ranks, head widths): an MLA target's own
+        attention, which is what lets an engine run the draft beside it (vLLM CPU runs no other EAGLE-3 draft
+        next to an MLA target)."""
         cfg = models.text_config(hf_config)
         n_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
         heads = cfg.num_attention_heads
         mla = hasattr(cfg, "kv_lora_rank") or hasattr(cfg, "qk_rope_head_dim")
+        if attention == "mla" and not mla:
+            raise ValueError(
+                f"draft_attention mla needs an MLA target (kv_lora_rank / qk_rope_head_dim in its config); "
+                f"{getattr(cfg, 'model_type', '?')} has none: use draft_attention gqa"
+            )
+        shapes = {}
+        if attention == "mla":
+            shapes = {n: int(getattr(cfg, n, 0) or 0) for n in MLA_SHAPES}
+            shapes["attention"] = "mla"
         head_dim = hidden // heads if mla else (getattr(cfg, "head_dim", None) or hidden // heads)
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
@@ -89,7 +120,9 @@ class Eagle3Config:
             hidden_size=hidden,
             intermediate_size=cfg.intermediate_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            num_key_value_heads=heads
+            if attention == "mla"
+            else getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             vocab_size=cfg.vocab_size,
             draft_vocab_size=draft_vocab_size,
@@ -98,6 +131,7 @@ class Eagle3Config:
             rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=float(theta or getattr(cfg, "rope_theta", None) or 10000.0),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            **shapes,
         )
 
     def to_dict(self) -> dict:
@@ -112,6 +146,10 @@ class Eagle3Config:
         return cls(**d)
 
 
+ATTENTIONS = ("gqa", "mla")
+MLA_SHAPES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low/mid/high decoder layers, 0-based (HF output_hidden_states index = layer id + 1)."""
     if num_layers < 7:  # below 7 the default layers collide ([1, 2, 2] at 6); engines then capture too few
@@ -120,19 +158,6 @@ def default_aux_layers(num_layers: int) -> list[int]:
             "[1, L//2-1, L-4] (they would not be distinct); pass aux_layers explicitly"
         )
     return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class Attention(nn.Module):
@@ -159,7 +184,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.self_attn = Attention(c)
+        self.self_attn = MLAAttention(c) if c.attention == "mla" else Attention(c)
         self.mlp = MLP(c)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -267,6 +292,9 @@ class Eagle3Drafter(nn.Module):
         normed = layer.hidden_norm(hidden)
         x = torch.cat([emb, normed], dim=-1)  # (B, T, 2H)
         att = layer.self_attn
+        if c.attention == "mla":
+            q, k, v = mla_qkv(att, c, x, position_ids)
+            return q, k, v, normed if c.norm_before_residual else hidden
         q = att.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = att.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = att.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)

@@ -99,6 +99,9 @@ class Params(params.Strict):
     fc_norm: bool = (
         False  # an RMSNorm per aux feature before fc; with norm_output: EAGLE-3.1 (served by both)
     )
+    draft_attention: Literal["gqa", "mla"] = (
+        "gqa"  # the draft layer's attention: gqa (Llama) | mla (an MLA target's own shapes: Eagle3DeepseekV2)
+    )
     draft_intermediate_size: int = 0  # the drafter's MLP width; 0 takes the target's (served: a config value)
     epochs: int = 1  # passes over the training rows (ignored when max_steps > 0)
     max_steps: int = 80  # optimizer steps; 0 means epochs x steps per epoch
@@ -234,7 +237,9 @@ def drafter_config(hf_config, p: Params):
     """The drafter's `Eagle3Config` for this target and recipe (draft vocab, aux layers, norms, MLP width)."""
     from eagle_lib.drafter.model import Eagle3Config
 
-    config = Eagle3Config.from_target_config(hf_config, p.draft_vocab_size, p.aux_layers or None)
+    config = Eagle3Config.from_target_config(
+        hf_config, p.draft_vocab_size, p.aux_layers or None, attention=p.draft_attention
+    )
     config.norm_before_residual, config.norm_before_fc = p.norm_before_residual, p.norm_before_fc
     config.norm_output, config.fc_norm = p.norm_output, p.fc_norm
     config.intermediate_size = p.draft_intermediate_size or config.intermediate_size

@@ -5,6 +5,10 @@ Two formats, safetensors only, each a directory with ``config.json`` + ``model.s
 * ``sglang`` — the EAGLE / SGLang format (``--speculative-algorithm EAGLE3``; vLLM loads it too):
   architectures ``["LlamaForCausalLMEagle3"]``, keys ``fc.weight``, ``midlayer.*``, ``norm.weight``,
   ``lm_head.weight``, ``d2t``, ``t2d``.
+* MLA drafters (``attention: mla``) have the EAGLE / SGLang layout only, under the architecture both engines
+  name ``Eagle3DeepseekV2ForCausalLM`` (vLLM 0.32 deepseek_eagle3, SGLang 0.5.23 kimi_k25_eagle3) with a
+  ``deepseek_v2`` layer config: vLLM's speculators loader knows llama / qwen3 layers only, so there is no
+  speculators export of them (vLLM serves the sglang directory).
 * ``speculators`` — the vLLM speculators format (``speculators_model_type: eagle3``): the same tensors with
   ``midlayer.`` renamed ``layers.0.``, the decoder layer described by ``transformer_layer_config`` and every
   normalisation flag written out (vLLM defaults a missing ``norm_before_residual`` to True, which is not
@@ -30,9 +34,12 @@ from pathlib import Path
 import torch
 
 from eagle_lib import models
-from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
+from eagle_lib.drafter.model import MLA_SHAPES, Eagle3Config, Eagle3Drafter
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
+MLA_ARCH = (
+    "Eagle3DeepseekV2ForCausalLM"  # vLLM 0.32 and SGLang 0.5.23: EAGLE-3 with DeepSeek-V2 latent attention
+)
 SPECULATORS_ARCH = "Eagle3DraftModel"  # speculators 0.9.0; vLLM maps any eagle3 speculator to its own class
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -55,13 +62,43 @@ def norm_flags(c: Eagle3Config) -> dict[str, bool]:
     return {n: bool(getattr(c, n)) for n in NORM_FLAGS}
 
 
+def formats_for(c: Eagle3Config) -> tuple[str, ...]:
+    """The export formats this drafter has: both, or the sglang layout only for an MLA layer."""
+    return ("sglang",) if c.attention == "mla" else FORMATS
+
+
+def _mla_layer_config(c: Eagle3Config) -> dict:
+    """The one MLA decoder layer as an HF DeepseekV2Config dict (dense MLP; plain rope, trained so)."""
+    return {
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_attention_heads,
+        **{n: getattr(c, n) for n in MLA_SHAPES},
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_scaling": None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
 def _layer_config(c: Eagle3Config) -> dict:
-    """The one Llama decoder layer, as an HF LlamaConfig dict (vocab_size = the target's)."""
+    """The one Llama decoder layer, as an HF LlamaConfig dict (vocab_size = the target's); the MLA layer's
+    DeepseekV2Config dict for an MLA drafter."""
     if c.norm_before_residual:  # SGLang would run it without (silently wrong), and both formats must serve
         raise ValueError(
             "cannot export a drafter trained with norm_before_residual: SGLang 0.5.23's EAGLE-3 layer has no such "
             "option (it would serve the drafter without it); train with norm_before_fc / fc_norm / norm_output"
         )
+    if c.attention == "mla":
+        return _mla_layer_config(c)
     return {
         "model_type": "llama",
         "num_hidden_layers": 1,
@@ -84,7 +121,7 @@ def _layer_config(c: Eagle3Config) -> dict:
 def sglang_config(c: Eagle3Config, dtype: str = "float32") -> dict:
     """config.json of the EAGLE / SGLang format."""
     return {
-        "architectures": [SGLANG_ARCH],
+        "architectures": [MLA_ARCH if c.attention == "mla" else SGLANG_ARCH],
         **_layer_config(c),
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
@@ -106,6 +143,11 @@ def speculators_config(
     dtype: str = "float32",
 ) -> dict:
     """config.json of the speculators / vLLM format (verifier = the target's hub id or directory)."""
+    if c.attention == "mla":
+        raise ValueError(
+            "an MLA drafter has no speculators export (vLLM 0.32's speculators loader builds llama / qwen3 layers "
+            "only); vLLM serves its sglang export as Eagle3DeepseekV2ForCausalLM: set online_format: sglang"
+        )
     return {
         "architectures": [SPECULATORS_ARCH],
         "model_type": "speculators",
@@ -194,14 +236,14 @@ def export_all(
     num_speculative_tokens: int = 3,
     dtype: str = "float32",
 ) -> dict[str, Path]:
-    """Both formats under out_root/sglang and out_root/speculators."""
+    """Every format of the drafter (`formats_for`) under out_root/<format>."""
     root = Path(out_root)
-    return {
-        "sglang": export_sglang(model, root / "sglang", dtype),
-        "speculators": export_speculators(
+    out = {"sglang": export_sglang(model, root / "sglang", dtype)}
+    if "speculators" in formats_for(model.config):
+        out["speculators"] = export_speculators(
             model, root / "speculators", verifier, verifier_architectures, num_speculative_tokens, dtype
-        ),
-    }
+        )
+    return out
 
 
 def read_config(path: str | Path) -> tuple[str, dict]:
@@ -234,6 +276,10 @@ def drafter_config(fmt: str, cfg: dict, aux_layers: list[int] | None = None) -> 
     """Our Eagle3Config from an export config (aux_layers: fallback when the config names none)."""
     layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
     hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
+    mla = MLA_ARCH in (cfg.get("architectures") or [])
+    if mla and not all(layer.get(n) for n in MLA_SHAPES):
+        raise ExportError(f"{MLA_ARCH} config lacks an MLA shape ({', '.join(MLA_SHAPES)}: each > 0)")
+    shapes = {"attention": "mla", **{n: int(layer[n]) for n in MLA_SHAPES}} if mla else {}
     rope = layer.get("rope_parameters") or {}
     aux = aux_layers_of(fmt, cfg) or aux_layers
     if not aux:
@@ -242,7 +288,7 @@ def drafter_config(fmt: str, cfg: dict, aux_layers: list[int] | None = None) -> 
         hidden_size=hidden,
         intermediate_size=layer["intermediate_size"],
         num_attention_heads=heads,
-        num_key_value_heads=layer.get("num_key_value_heads") or heads,
+        num_key_value_heads=heads if mla else layer.get("num_key_value_heads") or heads,
         head_dim=layer.get("head_dim") or hidden // heads,
         vocab_size=layer["vocab_size"],
         draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
@@ -253,6 +299,7 @@ def drafter_config(fmt: str, cfg: dict, aux_layers: list[int] | None = None) -> 
         max_position_embeddings=layer.get("max_position_embeddings", 4096),
         # as the engines read them: vLLM's speculators loader defaults a missing norm_before_residual to True
         **{n: bool(cfg.get(n, fmt == "speculators" and n == "norm_before_residual")) for n in NORM_FLAGS},
+        **shapes,
     )
 
 

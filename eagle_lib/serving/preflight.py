@@ -24,10 +24,19 @@ from pathlib import Path
 import torch
 
 from eagle_lib.drafter import vocab
-from eagle_lib.drafter.model import Eagle3Config, default_aux_layers
+from eagle_lib.drafter.model import MLA_SHAPES, Eagle3Config, default_aux_layers
 from eagle_lib.serving import commands, export
 from eagle_lib.serving.checks import Check, same_path
 
+MLA_WEIGHTS = [
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+]
 VLLM_CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vLLM 0.32 CPU attention backend
 
 
@@ -97,8 +106,10 @@ def check_config(
     out: list[Check] = []
     if fmt == "sglang":
         arch = cfg.get("architectures") or []
-        bad = f"{arch}: SGLang's EAGLE3 loader needs {[export.SGLANG_ARCH]}"
-        _check(out, "architectures", arch == [export.SGLANG_ARCH], f"{arch}", bad)
+        bad = (
+            f"{arch}: the EAGLE-3 loaders need {[export.SGLANG_ARCH]} (or {[export.MLA_ARCH]}: an MLA layer)"
+        )
+        _check(out, "architectures", arch in ([export.SGLANG_ARCH], [export.MLA_ARCH]), f"{arch}", bad)
         bad = "norm_before_residual set: SGLang 0.5.23's EAGLE-3 layer has no such option (served without it)"
         _check(
             out, "norm flags (SGLang)", not cfg.get("norm_before_residual"), "no norm_before_residual", bad
@@ -134,10 +145,38 @@ def check_config(
     _check(
         out, "vocab_size", v == tv, f"{tv}", f"{v} != target vocab {tv}: trained for another target/tokenizer"
     )
-    head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
-    bad = f"{head_dim}: vLLM's CPU backend supports {VLLM_CPU_HEAD_SIZES}"
-    _check(out, "head_dim (vLLM CPU)", head_dim in VLLM_CPU_HEAD_SIZES, f"{head_dim}", bad, "warning")
+    if export.MLA_ARCH in (cfg.get("architectures") or []):
+        out += check_mla(layer, target)
+    else:
+        head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
+        bad = f"{head_dim}: vLLM's CPU backend supports {VLLM_CPU_HEAD_SIZES}"
+        _check(out, "head_dim (vLLM CPU)", head_dim in VLLM_CPU_HEAD_SIZES, f"{head_dim}", bad, "warning")
     out += check_aux_layers(fmt, cfg, tl, trained_aux)
+    return out
+
+
+def check_mla(layer: dict, target: dict) -> list[Check]:
+    """An MLA draft layer: every MLA shape set, an MLA target, and the target's latent cache width (the draft
+    layer's KV cache sits in the target's MLA cache layout; served here only with the target's shapes)."""
+    out: list[Check] = []
+    shapes = {n: layer.get(n) for n in MLA_SHAPES}
+    bad = f"{shapes}: each must be > 0 (SGLang's MLA draft class refuses a draft without q_lora_rank)"
+    _check(out, "MLA shapes", all(shapes.values()), ", ".join(f"{k} {v}" for k, v in shapes.items()), bad)
+    if not target.get("kv_lora_rank"):
+        out.append(Check("MLA target", False, "an MLA draft layer on a target without MLA (no kv_lora_rank): "
+                         "train with draft_attention gqa"))  # fmt: skip
+        return out
+    cache = ("kv_lora_rank", "qk_rope_head_dim")
+    diff = [f"{n} {layer.get(n)} (target {target.get(n)})" for n in cache if layer.get(n) != target.get(n)]
+    bad = f"{', '.join(diff)}: a latent cache unlike the target's (never served by us)"
+    _check(
+        out,
+        "MLA cache = target's",
+        not diff,
+        "kv_lora_rank and qk_rope_head_dim as the target",
+        bad,
+        "warning",
+    )
     return out
 
 
@@ -186,7 +225,8 @@ def check_weights(tensors: dict[str, torch.Tensor], cfg: Eagle3Config, target: d
     """fc width, lm_head / vocab-map shapes, and the vocab map's range against the target vocab."""
     out: list[Check] = []
     th, tv = target["hidden_size"], target["vocab_size"]
-    need = ["fc.weight", "lm_head.weight", "norm.weight", "midlayer.self_attn.q_proj.weight"]
+    att = MLA_WEIGHTS if cfg.attention == "mla" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    need = ["fc.weight", "lm_head.weight", "norm.weight", *(f"midlayer.self_attn.{w}.weight" for w in att)]
     missing = [k for k in need if k not in tensors]
     _check(out, "weights present", not missing, "fc, midlayer, norm, lm_head", f"missing {missing}")
     if missing:

@@ -132,3 +132,82 @@ def test_producer_hidden_states_equal_transformers(kimi, tmp_path):
     finally:
         src.close()
     assert len(layers) == text.num_hidden_layers
+
+
+K, NEW, N_DRAFT = 3, 32, 1024
+TAU_TOLERANCE = 0.1  # as tests/server/test_vllm_spec.py: near-ties where vLLM's MLA kernels round otherwise
+
+
+def distill_on_greedy(drafter, model, seqs: list[list[int]], starts: list[int], steps: int = 300) -> None:
+    """Teach drafter row t (token x_{t+1}, feature f_t) the target's greedy token after x_{t+1}, on the generated
+    part of each sequence: a drafter that accepts, so the served tau has something to agree with."""
+    data = []
+    for ids, start in zip(seqs, starts, strict=True):
+        with hidden.LayerCapture(model, AUX) as cap, torch.no_grad():
+            nxt = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1)
+        f = cap.take()[0]
+        y = torch.searchsorted(drafter.draft_ids(), nxt[1:])  # draft ids: the kept target ids, ascending
+        data.append((torch.tensor(ids[1:]), f[:-1], y, start - 1))
+    opt = torch.optim.Adam(drafter.trainable_parameters(), lr=3e-3)
+    drafter.train()
+    for step in range(steps):
+        ids, f, y, start = data[step % len(data)]
+        _, logits = drafter(ids[None], drafter.project(f[None]), torch.arange(len(ids))[None])
+        loss = torch.nn.functional.cross_entropy(logits[0, start:], y[start:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.eval()
+
+
+def test_vllm_serves_the_mla_drafter_beside_the_mla_target_with_the_offline_tau(kimi, tmp_path):
+    """``draft_attention: mla``: the drafter with the mini-Kimi target's latent-attention shapes, exported as
+    Eagle3DeepseekV2ForCausalLM (with a draft vocab and d2t), served by vLLM CPU beside the target: its greedy
+    output is the target's and its tau (from /metrics) equals our offline decoder's."""
+    from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
+    from eagle_lib.serving import commands, export, online, preflight, specdec
+
+    path, model, tok = kimi
+    torch.set_num_threads(2)
+    ps = prompts(tok, 6)
+    eos = models.stop_ids(tok, model)
+    greedy = [specdec.speculative_generate(specdec.TargetRunner(model), specdec.NoProposer(), p, NEW, K,
+                                           eos).output_ids for p in ps]  # fmt: skip
+    seqs = [p + g for p, g in zip(ps, greedy, strict=True)]
+    cfg = Eagle3Config.from_target_config(model.config, N_DRAFT, AUX, attention="mla")
+    assert cfg.attention == "mla" and cfg.kv_lora_rank == model.config.get_text_config().kv_lora_rank
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    used = sorted({t for s in seqs for t in s})
+    fill = [t for t in range(N_DRAFT) if t not in set(used)][: N_DRAFT - len(used)]
+    kept = torch.tensor(
+        sorted(set(used) | set(fill))
+    )  # every token of the sequences, ids up to 163k among them
+    assert len(kept) == N_DRAFT and int(kept.max()) > N_DRAFT
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    d.set_vocab_map(kept - torch.arange(N_DRAFT), t2d)
+    init_from_target(d, model.get_input_embeddings().weight)
+    distill_on_greedy(d, model, seqs, [len(p) for p in ps])
+    runner = specdec.TargetRunner(model, AUX)
+    offline = [specdec.speculative_generate(runner, specdec.EagleProposer(d), p, NEW, K, eos) for p in ps]
+    assert all(g.output_ids == w for g, w in zip(offline, greedy, strict=True))
+    steps = [x for g in offline for x in g.matched]  # drafts counted as vLLM counts them (uncut)
+    tau_off = sum(steps) / len(steps) + 1
+    assert tau_off > 1.5, f"the distilled drafter should accept drafts offline (tau {tau_off:.2f})"
+    exports = export.export_all(d, tmp_path / "export", str(path), ["KimiK25ForConditionalGeneration"], K)
+    assert set(exports) == {"sglang"}
+    rep = preflight.preflight(exports["sglang"], "toy://kimi", trust_remote_code=True, trained_aux=AUX,
+                              trained_norms=export.norm_flags(cfg))  # fmt: skip
+    assert rep.ok, rep.text()
+    spec = commands.vllm_spec(str(exports["sglang"]), K)
+    args = [*SERVE_ARGS, "--speculative-config", json.dumps(spec)]
+    with start_vllm(path, extra_args=args, max_model_len=1024, log_dir=tmp_path) as srv:
+        res = online.online_vllm(srv.base_url, srv.model, {"kimi": [specdec.Prompt(f"p{i}", "kimi", p)
+                                 for i, p in enumerate(ps)]}, NEW, K, concurrency=1)["kimi"]  # fmt: skip
+    print(
+        f"MLA drafter: vLLM tau {res['tau']:.4f} ({res['accepted']:.0f}/{res['drafts']:.0f}), offline {tau_off:.4f}"
+    )
+    for i, w in enumerate(greedy):
+        assert res["outputs"][f"p{i}"] == w, f"vLLM's greedy output differs from the target's for p{i}"
+    assert abs(res["tau"] - tau_off) <= TAU_TOLERANCE, f"vLLM tau {res['tau']:.3f} vs offline {tau_off:.3f}"
