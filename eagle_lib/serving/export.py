@@ -82,6 +82,7 @@ def _mla_layer_config(c: Eagle3Config) -> dict:
         "rope_theta": c.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
         "rope_scaling": None,
+        "rope_interleave": True,  # adjacent-pair rotation, as trained (SGLang reads it; vLLM's MLA always does so)
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
         "attention_bias": False,

@@ -338,3 +338,60 @@ def test_a_renamed_weight_fails_the_comparison(sglang_py, tmp_path, old, new):
     target = SGLANG_NAMES[old]
     assert any(p.startswith(f"{new}: SGLang maps it to") for p in problems), problems
     assert any(p.startswith(f"{target}: rows") for p in problems), problems
+
+
+def test_sglang_loads_the_mla_export_into_its_eagle3_mla_class(sglang_py, tmp_path):
+    """The MLA drafter (``draft_attention: mla``) through SGLang 0.5.23's own Eagle3DeepseekV2ForCausalLM
+    (kimi_k25_eagle3.py): every exported tensor lands where that class's load_weights puts it, equal (q_a_proj and
+    kv_a_proj_with_mqa stacked into fused_qkv_a_proj_with_mqa, gate/up into gate_up_proj, d2t into hot_token_id),
+    every loaded row comes from the file but the target's embedding, lm_head's padding and the rope cache, and the
+    rope SGLang builds is the trained one (adjacent-pair rotation, the drafter's theta and width)."""
+    from transformers import DeepseekV3Config
+
+    from eagle_lib.drafter.model import Eagle3Drafter
+
+    t = DeepseekV3Config(hidden_size=64, num_hidden_layers=8, num_attention_heads=2, q_lora_rank=16,
+                         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                         intermediate_size=96, vocab_size=V, rms_norm_eps=1e-5, rope_theta=5e4)  # fmt: skip
+    c = Eagle3Config.from_target_config(t, N, attention="mla")
+    torch.manual_seed(0)
+    d = Eagle3Drafter(c)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p))  # norms away from 1: every weight distinct from its initial value
+    kept = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:N].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    d.set_vocab_map(kept - torch.arange(N), t2d)
+    path = export.export_sglang(d, tmp_path / "export", dtype="float32")
+    file = load_file(str(path / export.WEIGHTS))
+    loaded, side = sglang_load(sglang_py, path, tmp_path / "loaded.safetensors", "float32")
+    assert side["class"].endswith("kimi_k25_eagle3.Eagle3DeepseekV2ForCausalLM")
+    att = "model.midlayer.self_attn."
+    want = {
+        att + "fused_qkv_a_proj_with_mqa.weight": torch.cat(
+            [file["midlayer.self_attn.q_a_proj.weight"], file["midlayer.self_attn.kv_a_proj_with_mqa.weight"]]
+        ),
+        "model.midlayer.mlp.gate_up_proj.weight": torch.cat(
+            [file["midlayer.mlp.gate_proj.weight"], file["midlayer.mlp.up_proj.weight"]]
+        ),
+        "hot_token_id": file["d2t"] + torch.arange(N),
+        "lm_head.weight": file["lm_head.weight"],
+    }
+    stacked = {"midlayer.self_attn.q_a_proj.weight", "midlayer.self_attn.kv_a_proj_with_mqa.weight",
+               "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "d2t", "t2d", "lm_head.weight"}  # fmt: skip
+    for key in set(file) - stacked:
+        want["model." + key] = file[key]
+    problems = []
+    for name, w in want.items():
+        got = loaded.get(name)
+        got = got[: w.shape[0]] if name == "lm_head.weight" and got is not None else got  # vocab padding rows
+        if got is None or got.shape != w.shape or not torch.equal(got, w.to(got.dtype)):
+            problems.append(f"{name}: {'missing' if got is None else 'differs'}")
+    assert not problems, problems
+    unfilled = set(loaded) - set(want) - {"model.embed_tokens.weight", att + "rotary_emb.cos_sin_cache"}
+    assert not unfilled, f"SGLang parameters no export tensor filled: {sorted(unfilled)}"
+    rope = side["modules"]["model.midlayer.self_attn.rotary_emb"]
+    assert (rope["is_neox_style"], rope["base"], rope["rotary_dim"]) == (False, c.rope_theta, c.qk_rope_head_dim)
+    eps = {m["variance_epsilon"] for m in side["modules"].values() if m["type"] == "RMSNorm"}
+    assert eps == {c.rms_norm_eps}

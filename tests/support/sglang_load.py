@@ -24,7 +24,8 @@ It imports nothing from eagle_lib. Steps, as an SGLang server's draft worker tak
 
 Two adjustments for these CPUs, neither touching a weight or a weight loader: ``define_torchvision_ops``
 (PyPI's torchvision cannot load its C++ ops beside the CPU torch) and ``rope_without_kernel`` (SGLang's CPU
-engine needs a kernel build PyPI lacks). No forward pass is run.
+engine needs a kernel build PyPI lacks), and ``mla_rope_as_on_gpu`` (an MLA layer's plain rope is built as
+on a GPU server: SGLang's CPU branch knows DeepSeek YaRN only). No forward pass is run.
 """
 
 from __future__ import annotations
@@ -71,6 +72,23 @@ def rope_without_kernel() -> None:
     from sglang.srt.layers.rotary_embedding import base
 
     base._is_cpu = True
+
+
+def mla_rope_as_on_gpu() -> None:
+    """Build an MLA draft layer's rope as SGLang's GPU servers do (``get_rope``), not through its CPU-engine branch.
+
+    ``DeepseekV2AttentionMLA`` asks ``get_rope_wrapper`` for its rotary embedding; on a CPU device that routes to
+    ``get_rope_cpu``, which only knows DeepSeek's YaRN (it asserts a ``rope_scaling``), while the GPU branch
+    builds the plain rope the config names (``rope_scaling: null``: our MLA drafter's, as trained). The draft's
+    servers are GPUs; this makes the CPU load take their branch. It touches no parameter, weight or loader.
+    """
+    from sglang.srt.layers.rotary_embedding import factory
+    from sglang.srt.models import deepseek_v2
+
+    def gpu_branch(*args, device=None, **kwargs):
+        return factory.get_rope(*args, **kwargs)
+
+    deepseek_v2.get_rope_wrapper = gpu_branch
 
 
 def free_port() -> int:
@@ -195,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     rope_without_kernel()
+    mla_rope_as_on_gpu()
     server_args = init_single_process(args.export, args.dtype)
     model, given, model_config = load(server_args, args.export)
 
