@@ -97,9 +97,8 @@ class Eagle3Config:
         cls, hf_config, draft_vocab_size: int, aux_layers: list[int] | None = None, attention: str = "gqa"
     ):
         """A drafter as wide as the target; aux layers default to [1, L//2-1, L-4] (0-based decoder layers).
-        ``attention="mla"`` takes the target's MLA shapes (heads, q/kv ranks, head widths): an MLA target's own
-        attention, which is what lets an engine run the draft beside it (vLLM CPU runs no other EAGLE-3 draft
-        next to an MLA target)."""
+        ``attention="mla"`` takes the target's MLA shapes (heads, q/kv ranks, head widths): the draft layer's
+        latent cache then has the target's layout (Kimi's published MLA drafts do the same)."""
         cfg = models.text_config(hf_config)
         n_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
         heads = cfg.num_attention_heads
