@@ -392,6 +392,10 @@ def test_sglang_loads_the_mla_export_into_its_eagle3_mla_class(sglang_py, tmp_pa
     unfilled = set(loaded) - set(want) - {"model.embed_tokens.weight", att + "rotary_emb.cos_sin_cache"}
     assert not unfilled, f"SGLang parameters no export tensor filled: {sorted(unfilled)}"
     rope = side["modules"]["model.midlayer.self_attn.rotary_emb"]
-    assert (rope["is_neox_style"], rope["base"], rope["rotary_dim"]) == (False, c.rope_theta, c.qk_rope_head_dim)
+    assert (rope["is_neox_style"], rope["base"], rope["rotary_dim"]) == (
+        False,
+        c.rope_theta,
+        c.qk_rope_head_dim,
+    )
     eps = {m["variance_epsilon"] for m in side["modules"].values() if m["type"] == "RMSNorm"}
     assert eps == {c.rms_norm_eps}

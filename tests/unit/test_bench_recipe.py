@@ -52,3 +52,31 @@ def test_the_speculators_worker_names_the_trained_layers_as_its_readers_read_the
         3,
         6,
     ]
+
+
+def test_the_kimi_variants_override_the_mini_kimi_params_into_a_one_process_cpu_run(tmp_path):
+    """--params params/mini_kimi.yaml: the kimi_* variants take that file's shared and 05 sections (not the toy's)
+    and turn its cluster settings (vLLM producers, FSDP on 2 ranks, bf16) into one CPU process; they differ only
+    in the draft layer's attention."""
+    root = Path(bench_recipe.ROOT)
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "infer").mkdir()
+    cfgs = {
+        name: bench_recipe.stage_config(
+            run,
+            tmp_path / name,
+            50,
+            dict(bench_recipe.VARIANTS[name]),
+            0,
+            1,
+            root / "params" / "mini_kimi.yaml",
+        )  # fmt: skip
+        for name in ("kimi_gqa", "kimi_mla")
+    }
+    gqa, mla = cfgs["kimi_gqa"], cfgs["kimi_mla"]
+    assert gqa.shared.target == "toy://kimi" and gqa.shared.seed == 1 and gqa.shared.trust_remote_code
+    assert (gqa.stage.hidden_source, gqa.stage.nproc_per_node, gqa.stage.precision) == ("online", 1, "fp32")
+    assert gqa.stage.max_steps == 50 and gqa.stage.aux_layers == [1, 3, 4]  # mini_kimi.yaml's own aux layers
+    assert (gqa.stage.draft_attention, mla.stage.draft_attention) == ("gqa", "mla")
+    assert gqa.stage.model_copy(update={"draft_attention": "mla"}) == mla.stage
