@@ -363,7 +363,8 @@ def main() -> None:
         flush=True,
     )
     rows = []
-    for (name, over), seed in ((v, s) for v in specs for s in a.seeds):
+    # seed-major: every variant of a seed before the next seed, so an interrupted run leaves paired comparisons
+    for seed, (name, over) in ((s, v) for s in a.seeds for v in specs):
         work = Path(tempfile.mkdtemp(prefix=f"recipe_{name}_", dir=out.parent))
         cfg = stage_config(run_dir, work, a.steps, dict(over), a.measure_every, seed, Path(a.params))
         t0 = time.perf_counter()
