@@ -50,15 +50,9 @@ def test_mla_attention_equals_transformers_deepseek_v3_attention():
     )  # fmt: skip
     hf_cfg._attn_implementation = "eager"
     ref = DeepseekV3Attention(hf_cfg, layer_idx=0).double()
-    for name in (
-        "q_a_proj",
-        "q_a_layernorm",
-        "q_b_proj",
-        "kv_a_proj_with_mqa",
-        "kv_a_layernorm",
-        "kv_b_proj",
-    ):
-        getattr(ref, name).load_state_dict(getattr(att, name).state_dict())
+    for name, module in att.named_children():  # our module names must be transformers' (getattr fails else)
+        if name != "o_proj":
+            getattr(ref, name).load_state_dict(module.state_dict())
     ref.o_proj.weight.zero_()
     ref.o_proj.weight[:H] = att.o_proj.weight
     t = 9
@@ -184,3 +178,30 @@ def test_recipe_draft_attention_takes_the_mla_targets_shapes_and_refuses_a_dense
     dense = LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, intermediate_size=96)
     with pytest.raises(ValueError, match="needs an MLA target"):
         recipe.drafter_config(dense, train.Params(draft_attention="mla", draft_vocab_size=64))
+
+
+def test_kimi_shaped_draft_layers_count_their_attention_weights_and_cache_as_the_formulas_say():
+    """The README's Kimi-shape figures: the attention weights of each draft layer counted on the module (meta
+    device) equal the closed-form count, and the cache per token is the latent + rope (MLA) or 2 x kv heads x
+    head_dim (Llama-style)."""
+    from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
+
+    h, heads, ql, kl, nope, rope, v = 7168, 64, 1536, 512, 128, 64, 128  # Kimi-K2.5's text config
+    kimi = DeepseekV3Config(hidden_size=h, num_hidden_layers=61, num_attention_heads=heads, num_key_value_heads=heads,
+                            q_lora_rank=ql, kv_lora_rank=kl, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                            v_head_dim=v, intermediate_size=18432, vocab_size=163840)  # fmt: skip
+    counts, cache = {}, {}
+    for att in ("gqa", "mla"):
+        c = Eagle3Config.from_target_config(kimi, 32000, attention=att)
+        with torch.device("meta"):
+            d = Eagle3Drafter(c)
+        cache[att] = (
+            c.kv_lora_rank + c.qk_rope_head_dim if att == "mla" else 2 * c.num_key_value_heads * c.head_dim
+        )
+        counts[att] = sum(p.numel() for n, p in d.named_parameters() if ".self_attn." in n)
+    hd = h // heads  # 112: the Llama-style layer's head width on an MLA target
+    assert counts["gqa"] == 3 * 2 * h * heads * hd + heads * hd * h  # q, k, v over 2H; o_proj
+    mla = 2 * h * ql + ql + ql * heads * (nope + rope) + 2 * h * (kl + rope) + kl + kl * heads * (nope + v)
+    assert counts["mla"] == mla + heads * v * h
+    assert (round(counts["mla"] / 1e6, 1), round(counts["gqa"] / 1e6, 1)) == (116.3, 359.7)
+    assert cache == {"mla": 576, "gqa": 14336}  # cached values a token, from the built configs
