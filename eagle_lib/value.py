@@ -6,7 +6,9 @@ drafter's tau on ONE fixed set of held-out prompts by offline speculative decodi
 (`eagle_lib.serving.heldout_tau`). Intervals are percentile bootstraps over those prompts, resampled within
 each eval dataset and paired across drafters (they share the prompts); they cover which prompts were held out
 and, with ``noise_seeds`` > 0, training noise: the curve's smallest ``noise_fractions`` (cheap) are trained again
-with other seeds, their pooled spread is the seed noise of tau (assumed the same at every fraction), and every
+with other seeds, each on another draw of its training set (``noise_resample``: a bootstrap of each dataset's
+sequences, cut at the same fraction, since a rerun of the pipeline trains on another split too), their pooled
+spread is the retraining noise of tau (assumed the same at every fraction), and every
 interval of the stage (projections, verdict, leave-one-out values, regenerated vs original, multi-turn) draws it
 (`eagle_lib.data_value.curve`: posterior of the variance given the replicates, so few seeds give wide intervals).
 
@@ -71,6 +73,7 @@ class Params(params.Strict):
         1  # more seeds trained at each noise fraction: their spread is the training noise (0: none)
     )
     noise_fractions: list[float] | None = None  # curve fractions given those seeds; None: the two smallest
+    noise_resample: bool = True  # a replicate also trains on a bootstrap of the fraction's training set
     multipliers: list[float] = [2.0, 4.0, 10.0]  # projected tau at these multiples of the 05 training tokens
     target_tau: float = 2.5  # report the training tokens needed for this tau
     min_gain: float = 0.05  # doubling the data must add more tau than this to count as data-limited

@@ -62,6 +62,15 @@ def fraction_subset(groups: dict[str, list[Sequence]], fraction: float) -> list[
     return [s for d in groups for s in prefix(groups[d], fraction)]
 
 
+def resampled(groups: dict[str, list[Sequence]], seed: int) -> dict[str, list[Sequence]]:
+    """Another training set of the same size and strata: per dataset, as many sequences as it holds, drawn with
+    replacement (a bootstrap of the training set) in draw order, so any prefix of it is a random subset."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 2654435761])
+    return {d: [v[i] for i in rng.integers(0, len(v), size=len(v))] for d, v in groups.items()}
+
+
 def leave_out(groups: dict[str, list[Sequence]], left_out: set[str], budget: int) -> list[Sequence]:
     """`budget` tokens from the datasets not in `left_out`, their proportions kept (raises if they hold fewer)."""
     pool = {d: v for d, v in groups.items() if d not in left_out}

@@ -105,16 +105,19 @@ class SeedNoise:
     sd: float  # pooled within-point standard deviation of tau across seeds (0 when nothing was replicated)
     dof: int  # sum over points of (seeds - 1)
     seeds: tuple[int, ...]  # (D,) seeds each point's tau averages
+    resampled: bool = False  # the replicates also trained on another draw of the training set
 
     @classmethod
-    def from_replicates(cls, taus: list) -> SeedNoise:
+    def from_replicates(cls, taus: list, resampled: bool = False) -> SeedNoise:
         """`taus[i]`: the tau of each seed trained at point i (one value: not replicated)."""
         taus = [np.asarray(t, dtype=float) for t in taus]
         if any(len(t) < 1 for t in taus):
             raise ValueError("SeedNoise: every point needs at least one tau")
         dof = sum(len(t) - 1 for t in taus)
         ss = sum(float(((t - t.mean()) ** 2).sum()) for t in taus)
-        return cls(math.sqrt(ss / dof) if dof else 0.0, dof, tuple(len(t) for t in taus))
+        return cls(
+            math.sqrt(ss / dof) if dof else 0.0, dof, tuple(len(t) for t in taus), resampled and dof > 0
+        )
 
     def variances(self, reps: int, seed: int) -> np.ndarray:
         """(reps,) draws of sigma^2 from its posterior given s: nu s^2 / chi^2_nu (zeros when nu = 0)."""
@@ -133,6 +136,12 @@ class SeedNoise:
     def text(self) -> str:
         if self.dof == 0:
             return "training noise not measured (no seed replicates): intervals cover held-out prompt sampling only"
+        if self.resampled:
+            return (
+                f"intervals include retraining noise: sd {self.sd:.3f} tau ({self.dof} degrees of freedom from "
+                "replicates trained with another seed on a bootstrap of their training set), assumed the same at "
+                "every fraction"
+            )
         return (
             f"intervals include training noise: seed sd {self.sd:.3f} tau ({self.dof} degrees of freedom from "
             "seed replicates), assumed the same at every fraction"
@@ -228,17 +237,18 @@ def learning_curve(
     seed: int,
     strata=None,
     groups: list[list[int]] | None = None,
+    resampled: bool = False,
 ) -> Curve:
     """Fit the curve to the points' tau and bootstrap it over the prompts (and, with seed replicates, over
     training noise). num/den: (A drafters x P prompts); `groups[i]`: the rows of point i's drafters (its seeds;
-    default: one drafter per point)."""
+    default: one drafter per point); `resampled`: the replicates trained on another draw of the training set."""
     x = np.asarray(x, dtype=float)
     groups = groups or [[i] for i in range(len(num))]
     if len(groups) != len(x):
         raise ValueError(f"learning_curve: {len(x)} points but {len(groups)} groups of drafters")
     tau = point_tau(num, den, groups)
     each = ratio_tau(num, den)
-    noise = SeedNoise.from_replicates([each[g] for g in groups])
+    noise = SeedNoise.from_replicates([each[g] for g in groups], resampled)
     fit = fit_saturating(x, tau, cap)
     off = noise.offsets(reps, seed)
     boot = [

@@ -187,8 +187,11 @@ def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
         final = st.cfg.out("drafter", "final")
         sub = subsets.fraction_subset(st.groups, f)
         st.arm(f"{f:g}", "curve", sub, final if f == 1.0 and reuse else None)
-        for r, name in enumerate(seed_names(f, p)[1:], start=1):  # training noise: the same data, other seeds
-            st.arm(name, "curve", sub, seed=seed + SEED_STRIDE * r)
+        # retraining noise: other seeds, each on another draw of the training set (noise_resample)
+        for r, name in enumerate(seed_names(f, p)[1:], start=1):
+            rseed = seed + SEED_STRIDE * r
+            draw = subsets.resampled(st.groups, rseed) if p.noise_resample else st.groups
+            st.arm(name, "curve", subsets.fraction_subset(draw, f), seed=rseed)
     arms = {f: seed_names(f, p) for f in fr}
     names = [n for ns in arms.values() for n in ns]
     ends = np.cumsum([len(ns) for ns in arms.values()])
@@ -199,7 +202,7 @@ def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
     x = np.array([st.arms[f"{f:g}"]["tokens"] for f in fr]) / st.total
     draws = st.decoder.sums.datasets
     c = curves.learning_curve(
-        x, num, den, p.num_steps + 1, p.multipliers, p.bootstrap_reps, seed, draws, groups
+        x, num, den, p.num_steps + 1, p.multipliers, p.bootstrap_reps, seed, draws, groups, p.noise_resample
     )
     st.noise = c.noise  # the paired differences of the other studies carry the same training noise
     return tables.curve_table(st, arms), c

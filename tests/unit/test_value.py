@@ -165,3 +165,50 @@ def test_a_reused_drafters_cached_decode_is_keyed_by_its_weights(tmp_path):
     assert value_study.reused_id(d) == first  # a rerun on the same weights keeps its cached decode
     (d / "model.safetensors").write_bytes(b"weights of another recipe")
     assert value_study.reused_id(d) != first and value_study.reused_id(d)["dir"] == first["dir"]
+
+
+def test_a_replicate_trains_on_another_draw_of_its_training_set(trained):
+    """07's retraining-noise arms: with ``noise_resample`` a replicate at fraction f trains on the same fraction of
+    a bootstrap of each dataset's training sequences (a rerun of the pipeline trains on another split, which a
+    seed alone never varies); without it, on the very sequences of the base arm."""
+    import collections
+    import types
+
+    from eagle_lib import value
+    from eagle_lib.data_value import value_study
+
+    run, cfg, tr = trained
+    seqs, _, _ = tr.sequences(run, max_eval=0)
+    names = subsets.dataset_of(run)
+    groups = subsets.by_dataset(seqs, names, seed=0)
+
+    boot = subsets.resampled(groups, 10_000)
+    assert {d: len(v) for d, v in boot.items()} == {d: len(v) for d, v in groups.items()}
+    for d, v in boot.items():
+        assert {s.id for s in v} <= {s.id for s in groups[d]}  # drawn from its own dataset only
+    assert [s.id for s in subsets.resampled(groups, 10_000)["tiny"]] == [s.id for s in boot["tiny"]]
+    draws = [collections.Counter(s.id for s in subsets.resampled(groups, r)["tiny"]) for r in range(20)]
+    assert any(max(c.values()) > 1 for c in draws)  # with replacement
+    assert len({tuple(sorted(c.items())) for c in draws}) > 1
+
+    def arms_of(resample: bool) -> dict:
+        got = {}
+        study = types.SimpleNamespace(
+            recipe={"final_checkpoint": "last"},
+            cfg=types.SimpleNamespace(
+                shared=types.SimpleNamespace(seed=0), out=lambda *a: run / "drafter" / "final"
+            ),
+            groups=groups,
+            arm=lambda name, study, sub, reuse=None, seed=None: got.__setitem__(
+                name, (sorted(s.id for s in sub), seed)
+            ),
+        )
+        p = value.Params(fractions=[0.5, 1.0], noise_seeds=1, noise_fractions=[0.5], noise_resample=resample)
+        with pytest.raises(AttributeError, match="decoder"):  # every arm trained; decoding is not this test's
+            value_study.curve(study, p)
+        return got
+
+    plain, resampled = arms_of(False), arms_of(True)
+    assert plain["0.5@seed+1"][0] == plain["0.5"][0]
+    assert resampled["0.5"] == plain["0.5"] and resampled["0.5@seed+1"][1] == plain["0.5@seed+1"][1] == 10_000
+    assert resampled["0.5@seed+1"][0] != resampled["0.5"][0]
