@@ -178,10 +178,16 @@ def answer_text(summary: dict) -> str:
         if hes is not None and hes == hes
         else ""
     )
+    mass = held.get("served_vocab_mass") or {}
+    served = "".join(
+        f" At {t} the draft vocab holds {v:.3f} of the target's sampling distribution on held-out labels: no "
+        "probabilistic draft is accepted more often than that."
+        for t, v in mass.items()
+    )
     return (
         f"Held-out acc_0 {acc0:.2f} (teacher-forced; majority-token baseline "
         f"{summary['vocab']['majority_share']:.2f}), {tau}, draft vocab coverage "
-        f"{summary['vocab']['coverage']:.3f}.{why}"
+        f"{summary['vocab']['coverage']:.3f} of the label tokens.{why}{served}"
     )
 
 
@@ -208,6 +214,9 @@ def headline(summary: dict) -> dict:
         "heldout_chain_tau": held.get("chain_tau"),
         "baseline_acc_majority_token": summary["vocab"]["majority_share"],
         "vocab_coverage": summary["vocab"]["coverage"],
+        # per served T > 0: the draft vocab's share of the target's sampling distribution on held-out labels, the
+        # ceiling of a probabilistic draft's acceptance rate
+        "heldout_served_vocab_mass": held.get("served_vocab_mass") or None,
         "measured_tau": (summary.get("measured") or {}).get("final_tau"),
         "measured_best_tau": (summary.get("measured") or {}).get("best_tau"),
         "measured_elapsed_s": (summary.get("measured") or {}).get("elapsed_s"),

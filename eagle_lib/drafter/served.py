@@ -122,6 +122,25 @@ def terms(
     return out
 
 
+def nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(n, V) bool: the smallest set of most likely tokens whose mass reaches ``top_p`` (each token kept while the
+    mass of the tokens more likely than it is below top_p), as the engines cut."""
+    sorted_p, order = p.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+    return torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < top_p)
+
+
+def vocab_mass(logits: torch.Tensor, cols: torch.Tensor, term: Term) -> torch.Tensor:
+    """(n,) the share of the target's served distribution (softmax(logits / T), its nucleus over the whole vocab,
+    renormalised) that lies on the draft ids ``cols``: a draft drawn from the draft vocab is accepted with
+    sum_v min(p_v, q_v) <= this, whatever the drafter (the draft vocab's ceiling at this temperature)."""
+    p = (_fp32(logits) / term.target_temperature).softmax(-1)
+    if term.top_p < 1:
+        p = torch.where(nucleus(p, term.top_p), p, torch.zeros_like(p))
+        p = p / p.sum(-1, keepdim=True)
+    return p[:, cols].sum(-1)
+
+
 def target_logprobs(logits: torch.Tensor, cols: torch.Tensor | None, term: Term) -> torch.Tensor:
     """(n, N) log p over the draft vocab: softmax(logits / T), the nucleus over the whole vocab, restricted to
     ``cols`` (the draft ids; None when ``logits`` already holds only those columns: plain terms) and
@@ -132,10 +151,7 @@ def target_logprobs(logits: torch.Tensor, cols: torch.Tensor | None, term: Term)
         return x.log_softmax(-1)
     if cols is None:
         raise ValueError("a nucleus (top_p < 1) needs the target's logits over its whole vocab")
-    p = x.softmax(-1)
-    sorted_p, order = p.sort(-1, descending=True)
-    before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
-    keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < term.top_p)
+    keep = nucleus(x.softmax(-1), term.top_p)
     kept = torch.where(keep, x, torch.full_like(x, float("-inf")))[:, cols]
     # a row whose whole nucleus lies outside the draft vocab: no draft can be accepted there; fall back to the
     # untruncated distribution so the row stays finite (its label's argmax is outside the vocab: not trained)

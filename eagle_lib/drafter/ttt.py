@@ -134,6 +134,9 @@ class TTT(nn.Module):
         self.shard = shard or seqpar.Shard()  # sequence parallel: this rank's rows (`seqpar`)
         # set by `evaluate`: the first draft's (labels, correct) per CONFIDENCE_EDGES bin are added up here
         self.confidence: torch.Tensor | None = None
+        # set by `evaluate`: per sampled term (T > 0), the draft vocab's share of the target's served distribution
+        # at the first draft's labels (`served.vocab_mass`) and the labels, added up here
+        self.served_mass: torch.Tensor | None = None
 
     def _objective(self, target_rows: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
         """(n,) the objective at label rows: target logits (n, V), or (n, N) draft columns when plain."""
@@ -227,10 +230,25 @@ class TTT(nn.Module):
                     for j in range(0, len(bi), step):
                         tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step])
                         self._add_confidence(tl, hits[j : j + step])
+                        self._add_served_mass(tl)
                 row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]
                 stats.append(torch.stack([x.float() for x in row]))
         # this rank's rows' stats; the loss times the group size (the gradient average over ranks sums the group)
         return total * sh.size, torch.stack(stats)
+
+    def sampled_terms(self) -> list[served.Term]:
+        return [t for t in self.terms if t.serve_temperature > 0]
+
+    def _add_served_mass(self, tgt_logits: torch.Tensor) -> None:
+        """Add the draft vocab's share of each sampled term's served distribution over these label rows."""
+        if self.served_mass is None:
+            return
+        cols = self.drafter.draft_ids()
+        for r, t in enumerate(self.sampled_terms()):
+            self.served_mass[r, 0] += (
+                served.vocab_mass(tgt_logits, cols, t).double().sum().to(self.served_mass)
+            )
+            self.served_mass[r, 1] += len(tgt_logits)
 
     def _add_confidence(self, tgt_logits: torch.Tensor, correct: torch.Tensor) -> None:
         """Add the first draft's labels and hits per bin of the target's top-1 probability (its own, T=1)."""
@@ -240,6 +258,9 @@ class TTT(nn.Module):
         n = len(CONFIDENCE_EDGES) + 1
         self.confidence[0] += torch.bincount(b, minlength=n).to(self.confidence)
         self.confidence[1] += torch.bincount(b, weights=correct.to(p1.dtype), minlength=n).to(self.confidence)
+
+
+SAMPLED = "T={:g}"  # the key of a sampled term's served vocab mass
 
 
 def confidence_table(counts: torch.Tensor) -> list[dict]:
@@ -315,6 +336,7 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
     model.eval()
     inner = distributed.unwrap(model)
     inner.confidence = torch.zeros(2, len(CONFIDENCE_EDGES) + 1, dtype=torch.float64, device=device)
+    inner.served_mass = torch.zeros(len(inner.sampled_terms()), 2, dtype=torch.float64, device=device)
     try:
         with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             for i in range(0, len(rows), rows_per_batch):
@@ -329,8 +351,14 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
         total = inner.shard.total(total)  # sequence parallel: every rank held a part of each row
         out = summarize(total)
         out["by_target_confidence"] = confidence_table(inner.shard.total(inner.confidence))
+        mass = inner.shard.total(inner.served_mass).cpu().tolist()
+        out["served_vocab_mass"] = {
+            SAMPLED.format(t.serve_temperature): (m / n if n else float("nan"))
+            for t, (m, n) in zip(inner.sampled_terms(), mass, strict=True)
+        }
     finally:
         inner.confidence = None
+        inner.served_mass = None
         model.train()
     return out
 

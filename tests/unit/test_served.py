@@ -35,6 +35,60 @@ def test_the_nucleus_is_taken_over_the_whole_vocab_before_the_draft_vocab_restri
     assert got2 == pytest.approx(ref, abs=1e-12)
 
 
+def test_the_draft_vocabs_share_of_the_served_distribution_equals_its_hand_value():
+    """The ceiling of a probabilistic draft's acceptance rate at T: the mass of the target's served distribution on
+    the draft ids (token 1 is outside the draft vocab)."""
+    e, e2, em1 = math.e, math.exp(2.0), math.exp(-1.0)
+    # top_p 0.9 keeps tokens 0, 1, 2 (.6439 + .2369 + .0871); of those, 0 and 2 are draft ids
+    got = served.vocab_mass(LOGITS, COLS, _term(0.9))
+    assert got.tolist() == pytest.approx([(e2 + 1) / (e2 + e + 1)], abs=1e-12)  # 0.7553
+    assert served.vocab_mass(LOGITS, COLS, _term(1.0)).tolist() == pytest.approx(
+        [(e2 + 1 + em1) / (e2 + e + 1 + em1)], abs=1e-12
+    )
+    # T = 2, no nucleus: softmax(logits / 2) = exp(1, .5, 0, -.5) / Z
+    z = [math.exp(v) for v in (1.0, 0.5, 0.0, -0.5)]
+    assert served.vocab_mass(LOGITS, COLS, _term(1.0, t=2.0)).tolist() == pytest.approx(
+        [(z[0] + z[2] + z[3]) / sum(z)], abs=1e-12
+    )
+
+
+def test_heldout_evaluation_reports_the_served_vocab_mass_of_the_first_drafts_labels():
+    """`ttt.evaluate`'s accumulator over the unroll's first-draft label rows equals the mass computed row by row
+    from the target's logits in plain Python (nucleus by sorting each row's probabilities)."""
+    m = drafter(seed=3, n=20)
+    ids, pos, doc, mask, aux, tl = packed(45, 2, seed=1)
+    terms = served.terms([0.0, 1.0], 0.9, [], 0.5, "soft_ce", "tv")
+    model = ttt.TTT(m, 3, 0.8, "eager", terms=terms)
+    model.confidence = torch.zeros(2, len(ttt.CONFIDENCE_EDGES) + 1, dtype=torch.float64)
+    model.served_mass = torch.zeros(1, 2, dtype=torch.float64)
+    with torch.no_grad():
+        model(ids, pos, doc, mask, aux, tl)
+    draft = set(m.draft_ids().tolist())
+    masses = []
+    b, t = ids.shape
+    for r in range(b):
+        for j in range(
+            t - 2
+        ):  # row j reads the target at j + 1 and is trained on token j + 2 of its document
+            if not (mask[r, j + 2] and doc[r, j + 2] == doc[r, j] and doc[r, j] >= 0):
+                continue
+            row = [math.exp(v) for v in tl[r, j + 1].double().tolist()]
+            probs = [v / sum(row) for v in row]
+            kept, before = set(), 0.0
+            for v in sorted(range(len(probs)), key=lambda v: -probs[v]):
+                if before >= 0.9:
+                    break
+                kept.add(v)
+                before += probs[v]
+            masses.append(sum(probs[v] for v in kept & draft) / sum(probs[v] for v in kept))
+    assert len(masses) > 20 and min(masses) < max(
+        masses
+    )  # the draft vocab (20 of 64) cuts some rows, not all
+    n = model.served_mass[0, 1].item()
+    assert n == len(masses)
+    assert model.served_mass[0, 0].item() / n == pytest.approx(sum(masses) / len(masses), abs=1e-9)
+
+
 def test_a_nucleus_wholly_outside_the_draft_vocab_falls_back_to_the_untruncated_row():
     logits = torch.tensor([[0.0, 5.0, 0.0]], dtype=torch.float64)  # token 1 holds > 0.95 of the mass
     got = served.target_logprobs(logits, torch.tensor([0, 2]), _term(0.5))
