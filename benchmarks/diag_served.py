@@ -10,8 +10,13 @@ vocab, and softmax(draft logits / T): `eagle_lib.drafter.served`, the loss ``tv`
 rate), and, beside them, the first-draft acceptance and tau 06 measured by decoding at that temperature
 (``metrics/06_eval_acceptance.json``, where present). A teacher-forced rate well above the decoded one says the
 decoded cycles start where the drafter is weakest (after a rejection), not that the drafter misfits the labels.
+With ``--decode-reps R`` it also decodes 06's held-out prompts (``--per-dataset``, ``--new-tokens``, R sampling seeds
+a prompt, probabilistic drafts, `eagle_lib.serving.specdec` as 06 decodes) and splits the first draft's acceptance
+by how the cycle before ended: all drafts accepted (the next token drawn from the target's own distribution) or a
+rejection (the next token drawn from the residual max(0, p - q)).
 
-    .venv/bin/python benchmarks/diag_served.py --run-dir outputs/toy [--sequences-from outputs/toy_t1]
+    .venv/bin/python benchmarks/diag_served.py --run-dir outputs/toy [--sequences-from outputs/toy_t1] \
+        [--decode-reps 3]
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ def main() -> None:
     )
     ap.add_argument("--drafter", default=None, help="drafter directory (default: <run-dir>/drafter/final)")
     ap.add_argument("--sequences-from", default=None, help="another run dir whose held-out sequences to read")
+    ap.add_argument(
+        "--decode-reps", type=int, default=0, help="sampling seeds a prompt to decode (0: no decode)"
+    )
+    ap.add_argument(
+        "--per-dataset", type=int, default=8, help="held-out prompts per dataset (06's toy value)"
+    )
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per prompt (06's toy value)")
     a = ap.parse_args()
 
     from eagle_lib.drafter import retrain, served, ttt
@@ -69,6 +81,60 @@ def main() -> None:
             )
             line += f", tau {d['tau']['all']:.3f}"
         print(line)
+        if a.decode_reps:
+            print(after_what(run, tr, drafter, t, a))
+
+
+def after_what(run: Path, tr, drafter, t: float, a) -> str:
+    """The first draft's acceptance by how the cycle before ended, decoding 06's held-out prompts at T=t."""
+    import torch
+
+    from eagle_lib import models, store
+    from eagle_lib.serving import heldout_tau, specdec
+    from eagle_lib.serving.sampling import Sampler, draft_sampler
+
+    torch.set_num_threads(1)
+    target = models.load_target(tr.shared, device="cpu")
+    eos = models.stop_ids(models.load_tokenizer(tr.shared), target)
+    prompts, _ = heldout_tau.heldout_prompts(run, tr.shared.heldout_percent, a.per_dataset, 768)
+    runner = specdec.TargetRunner(target, drafter.config.aux_layers)
+    k = tr.k
+    counts = {"after all accepted": [0, 0], "after a rejection": [0, 0], "first cycle": [0, 0]}
+    steps = tokens = 0
+    with torch.no_grad():
+        for r in range(a.decode_reps):
+            for pr in prompts:
+                key = int(store.stable_hash([0, r, t, pr.dataset, pr.id], 8), 16)
+                g = specdec.speculative_generate(
+                    runner,
+                    specdec.EagleProposer(drafter, draft_sampler("probabilistic", t, key + 1)),
+                    pr.prompt_ids,
+                    a.new_tokens,
+                    k,
+                    eos,
+                    Sampler(t, tr.shared.serve_top_p, 0, key),
+                )
+                for i, (m, d) in enumerate(zip(g.matched, g.drafted, strict=True)):
+                    if d == 0:
+                        continue
+                    how = (
+                        "first cycle"
+                        if i == 0
+                        else (
+                            "after all accepted"
+                            if g.matched[i - 1] == g.drafted[i - 1]
+                            else "after a rejection"
+                        )
+                    )
+                    counts[how][0] += m >= 1
+                    counts[how][1] += 1
+                steps += len(g.accepted)
+                tokens += sum(x + 1 for x in g.accepted)
+    parts = [f"{how} {n / c:.3f} of {c}" for how, (n, c) in counts.items() if c]
+    return (
+        f"  decoded ({len(prompts)} prompts x {a.decode_reps} seeds, tau {tokens / steps:.3f}): first draft "
+        "accepted " + "; ".join(parts)
+    )
 
 
 if __name__ == "__main__":
