@@ -6,7 +6,7 @@ For a run's 05 drafter (``--drafter``: another drafter directory), on held-out s
 answered otherwise), prints per TTT position the teacher-forced acceptance rate of a draft drawn from the drafter
 (1 - TV between the target's served distribution, softmax(logits / T) cut to its nucleus, restricted to the draft
 vocab, and softmax(draft logits / T): `eagle_lib.drafter.served`, the loss ``tv`` evaluated by 05's own
-`ttt.evaluate`), the draft vocab's share of the target's served distribution on those labels (the ceiling of that
+`ttt.evaluate`, over the labels whose target argmax is a draft id, as 05's loss), the draft vocab's share of the target's served distribution on those labels (the ceiling of that
 rate), and, beside them, the first-draft acceptance and tau 06 measured by decoding at that temperature
 (``metrics/06_eval_acceptance.json``, where present). A teacher-forced rate well above the decoded one says the
 decoded cycles start where the drafter is weakest (after a rejection), not that the drafter misfits the labels.
