@@ -98,9 +98,7 @@ def after_what(run: Path, tr, drafter, t: float, a) -> str:
     eos = models.stop_ids(models.load_tokenizer(tr.shared), target)
     prompts, _ = heldout_tau.heldout_prompts(run, tr.shared.heldout_percent, a.per_dataset, 768)
     runner = specdec.TargetRunner(target, drafter.config.aux_layers)
-    k = tr.k
-    counts = {"after all accepted": [0, 0], "after a rejection": [0, 0], "first cycle": [0, 0]}
-    steps = tokens = 0
+    gens, steps, tokens = [], 0, 0
     with torch.no_grad():
         for r in range(a.decode_reps):
             for pr in prompts:
@@ -110,26 +108,14 @@ def after_what(run: Path, tr, drafter, t: float, a) -> str:
                     specdec.EagleProposer(drafter, draft_sampler("probabilistic", t, key + 1)),
                     pr.prompt_ids,
                     a.new_tokens,
-                    k,
+                    tr.k,
                     eos,
                     Sampler(t, tr.shared.serve_top_p, 0, key),
                 )
-                for i, (m, d) in enumerate(zip(g.matched, g.drafted, strict=True)):
-                    if d == 0:
-                        continue
-                    how = (
-                        "first cycle"
-                        if i == 0
-                        else (
-                            "after all accepted"
-                            if g.matched[i - 1] == g.drafted[i - 1]
-                            else "after a rejection"
-                        )
-                    )
-                    counts[how][0] += m >= 1
-                    counts[how][1] += 1
+                gens.append(g)
                 steps += len(g.accepted)
                 tokens += sum(x + 1 for x in g.accepted)
+    counts = specdec.first_draft_by_cycle_start(gens)
     parts = [f"{how} {n / c:.3f} of {c}" for how, (n, c) in counts.items() if c]
     return (
         f"  decoded ({len(prompts)} prompts x {a.decode_reps} seeds, tau {tokens / steps:.3f}): first draft "

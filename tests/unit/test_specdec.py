@@ -759,3 +759,16 @@ def test_ceiling_share_of_the_gain_by_hand():
         ]
     )
     assert tables_mod.ceiling(tau) == {1.0: {"oracle": 3.0, "eagle3": 2.5, "share": 0.75}}  # (2.5-1)/(3-1)
+
+
+def test_first_draft_acceptance_is_split_by_how_its_cycle_started():
+    """Hand-made runs of k=3: each cycle's first draft counted under its prompt's first cycle, after a cycle that
+    accepted every draft, or after a rejection; a cycle that drafted nothing is skipped, and the one after it counts
+    as after all accepted (0 of 0)."""
+    a = specdec.Generation(output_ids=[], matched=[3, 0, 2, 3, 1], drafted=[3, 3, 3, 3, 3])
+    b = specdec.Generation(output_ids=[], matched=[1, 0, 3, 0], drafted=[3, 0, 3, 3])
+    got = specdec.first_draft_by_cycle_start([a, b])
+    # a: first 3 (hit); after all (3 of 3): 0 (miss); after a rejection (0): 2 (hit); after a rejection (2): 3
+    #    (hit); after all (3 of 3): 1 (hit)
+    # b: first 1 (hit); nothing drafted (skipped); after all (0 of 0): 3 (hit); after all (3 of 3): 0 (miss)
+    assert got == {"first cycle": (2, 2), "after all accepted": (2, 4), "after a rejection": (2, 2)}
