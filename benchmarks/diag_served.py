@@ -89,32 +89,17 @@ def after_what(run: Path, tr, drafter, t: float, a) -> str:
     """The first draft's acceptance by how the cycle before ended, decoding 06's held-out prompts at T=t."""
     import torch
 
-    from eagle_lib import models, store
+    from eagle_lib import models
     from eagle_lib.serving import heldout_tau, specdec
-    from eagle_lib.serving.sampling import Sampler, draft_sampler
 
     torch.set_num_threads(1)
     target = models.load_target(tr.shared, device="cpu")
     eos = models.stop_ids(models.load_tokenizer(tr.shared), target)
     prompts, _ = heldout_tau.heldout_prompts(run, tr.shared.heldout_percent, a.per_dataset, 768)
-    runner = specdec.TargetRunner(target, drafter.config.aux_layers)
-    gens, steps, tokens = [], 0, 0
-    with torch.no_grad():
-        for r in range(a.decode_reps):
-            for pr in prompts:
-                key = int(store.stable_hash([0, r, t, pr.dataset, pr.id], 8), 16)
-                g = specdec.speculative_generate(
-                    runner,
-                    specdec.EagleProposer(drafter, draft_sampler("probabilistic", t, key + 1)),
-                    pr.prompt_ids,
-                    a.new_tokens,
-                    tr.k,
-                    eos,
-                    Sampler(t, tr.shared.serve_top_p, 0, key),
-                )
-                gens.append(g)
-                steps += len(g.accepted)
-                tokens += sum(x + 1 for x in g.accepted)
+    decoder = heldout_tau.Decoder(target, prompts, a.new_tokens, tr.k, eos)  # 06's decode, its sampling seeds
+    num, den = decoder.decode(drafter, t, tr.shared.serve_top_p, "probabilistic", a.decode_reps)
+    tokens, steps = num.sum(), den.sum()
+    gens = decoder.generations
     counts = specdec.first_draft_by_cycle_start(gens)
     parts = [f"{how} {n / c:.3f} of {c}" for how, (n, c) in counts.items() if c]
     return (

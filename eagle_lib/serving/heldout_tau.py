@@ -64,6 +64,9 @@ class Decoder:
             [], [p.dataset for p in prompts], np.zeros((0, len(prompts))), np.zeros((0, len(prompts)))
         )
         self.cost_ratio = float("nan")  # the last decode's seconds per drafter forward / per target verify
+        self.generations: list[
+            specdec.Generation
+        ] = []  # the last decode's runs (prompt-major within each rep)
 
     @torch.no_grad()
     def decode(
@@ -80,7 +83,7 @@ class Decoder:
         sampling seeds (the sums add up)."""
         runner = specdec.TargetRunner(self.target, drafter.config.aux_layers)
         num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
-        gens = []
+        gens, self.generations = [], []
         for r in range(reps if temperature > 0 else 1):
             for j, pr in enumerate(self.prompts):
                 key = int(store.stable_hash([seed, r, temperature, pr.dataset, pr.id], 8), 16)
@@ -96,6 +99,7 @@ class Decoder:
                 num[j] += sum(a + 1 for a in g.accepted)
                 den[j] += len(g.accepted)
                 gens.append({"method": "eagle3", **vars(g)})
+                self.generations.append(g)
         runner.cache = None  # free the target's KV cache
         ratio = tables.cost_ratio(gens)
         self.cost_ratio = float("nan") if ratio is None else ratio
