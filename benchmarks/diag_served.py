@@ -99,8 +99,7 @@ def after_what(run: Path, tr, drafter, t: float, a) -> str:
     decoder = heldout_tau.Decoder(target, prompts, a.new_tokens, tr.k, eos)  # 06's decode, its sampling seeds
     num, den = decoder.decode(drafter, t, tr.shared.serve_top_p, "probabilistic", a.decode_reps)
     tokens, steps = num.sum(), den.sum()
-    gens = decoder.generations
-    counts = specdec.first_draft_by_cycle_start(gens)
+    counts = specdec.first_draft_by_cycle_start((g.matched, g.drafted) for g in decoder.generations)
     parts = [f"{how} {n / c:.3f} of {c}" for how, (n, c) in counts.items() if c]
     return (
         f"  decoded ({len(prompts)} prompts x {a.decode_reps} seeds, tau {tokens / steps:.3f}): first draft "

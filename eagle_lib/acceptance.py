@@ -153,6 +153,7 @@ class Eval:
     answer: str = ""
     reference_text: str = ""
     out_dir: Path = Path(".")
+    starts: pd.DataFrame = field(default_factory=pd.DataFrame)  # first drafts by how their cycle started
 
 
 # --- held-out prompts ---------------------------------------------------------------------------------
@@ -405,7 +406,9 @@ def run(cfg: params.StageConfig) -> Eval:
     ratio = p.step_cost_ratio or tbl.cost_ratio(gens)
     tau, pos, hist = tbl.tables(gens, p.num_steps, ratio) if gens else (pd.DataFrame(),) * 3
     ctx = tbl.context_table(gens, p.context_buckets, p.num_steps)
-    for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist), ("context", ctx)):
+    starts = tbl.cycle_start_table(gens)
+    for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist), ("context", ctx),
+                     ("cycle_start", starts)):  # fmt: skip
         df.to_csv(out / f"{name}.csv", index=False)
     on, live = None, []
     if p.online_engine != "none":
@@ -417,13 +420,13 @@ def run(cfg: params.StageConfig) -> Eval:
         store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw})
         store.write_json(out / "live_preflight.json", live)
     h = {
-        **tbl.headline(tau, ctx, pf, on, p.num_steps, p.temperatures),
+        **tbl.headline(tau, ctx, pf, on, p.num_steps, p.temperatures, starts),
         "cost_ratio": ratio,
         "live_preflight_ok": all(c["ok"] for c in live),
     }
-    h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on)
+    h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on, starts=starts)
     meta = {**tally, "eval_sets": set_tally, "params": p.model_dump(), "drafter_dir": str(drafter_dir),
             "shared": shared.model_dump(mode="json"), "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()},
             "reproducibility": reproducibility(p, shared.seed, target)}  # fmt: skip
     store.write_meta(out, meta, started, tally=True)
-    return Eval(tau, pos, hist, ctx, pf, on, live, h, h["answer"], p.reference_text, out)
+    return Eval(tau, pos, hist, ctx, pf, on, live, h, h["answer"], p.reference_text, out, starts)

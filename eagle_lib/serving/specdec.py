@@ -312,19 +312,20 @@ def _clip(ids: list[int], room: int, eos: set[int]) -> list[int]:
 CYCLE_STARTS = ("first cycle", "after all accepted", "after a rejection")
 
 
-def first_draft_by_cycle_start(gens: list[Generation]) -> dict[str, tuple[int, int]]:
+def first_draft_by_cycle_start(runs) -> dict[str, tuple[int, int]]:
     """(first drafts accepted, cycles) per way a cycle starts: a prompt's first cycle, after a cycle whose drafts
     were all accepted (at T > 0 the next token was drawn from the target's distribution), or after a rejection
-    (drawn from the residual max(0, p - q)). Cycles that drafted nothing are not counted."""
+    (drawn from the residual max(0, p - q)). ``runs``: (matched, drafted) per prompt run (a `Generation`'s
+    lists, or a generation record's). Cycles that drafted nothing are not counted."""
     out = {how: [0, 0] for how in CYCLE_STARTS}
-    for g in gens:
-        for i, (m, d) in enumerate(zip(g.matched, g.drafted, strict=True)):
+    for matched, drafted in runs:
+        for i, (m, d) in enumerate(zip(matched, drafted, strict=True)):
             if d == 0:
                 continue
             if i == 0:
                 how = CYCLE_STARTS[0]
             else:
-                how = CYCLE_STARTS[1] if g.matched[i - 1] == g.drafted[i - 1] else CYCLE_STARTS[2]
+                how = CYCLE_STARTS[1] if matched[i - 1] == drafted[i - 1] else CYCLE_STARTS[2]
             out[how][0] += m >= 1
             out[how][1] += 1
     return {how: (a, n) for how, (a, n) in out.items()}

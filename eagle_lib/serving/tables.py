@@ -13,7 +13,7 @@ import math
 
 import pandas as pd
 
-from eagle_lib.serving.specdec import acceptance_stats
+from eagle_lib.serving.specdec import CYCLE_STARTS, acceptance_stats, first_draft_by_cycle_start
 
 KEYS = ["method", "temperature", "dataset"]
 
@@ -99,6 +99,36 @@ def cost_ratio(gens: list[dict]) -> float | None:
 
 
 # --- tau by context length ----------------------------------------------------------------------------------
+def cycle_start_table(gens: list[dict]) -> pd.DataFrame:
+    """Where acceptance is lost: per method x temperature (all datasets), the cycles by how they started
+    (`specdec.CYCLE_STARTS`: a prompt's first, after a cycle that accepted every draft, after a rejection), their
+    share of the cycles, and the share whose first draft was accepted. At T > 0 the token after a rejection is drawn
+    from the residual max(0, p - q), a token the drafter gave too little mass; a drafter that cannot read it loses
+    the next cycle too. Methods that never drafted (none) have no rows."""
+    rows = []
+    by: dict[tuple[str, float], list[dict]] = {}
+    for r in gens:
+        by.setdefault((r["method"], _temp(r)), []).append(r)
+    for (method, temp), g in sorted(by.items()):
+        counts = first_draft_by_cycle_start((r["matched"], r["drafted"]) for r in g)
+        total = sum(n for _, n in counts.values())
+        if not total:
+            continue
+        for how in CYCLE_STARTS:
+            a, n = counts[how]
+            rows.append(
+                dict(
+                    method=method,
+                    temperature=temp,
+                    cycle_start=how,
+                    cycles=n,
+                    share_of_cycles=n / total,
+                    first_draft_accepted=a / n if n else math.nan,
+                )
+            )
+    return pd.DataFrame(rows)
+
+
 def bucket_labels(edges: list[int]) -> list[str]:
     """Labels of the buckets [0, e1), [e1, e2), ..., [e_n, inf): '<1k', '1k-4k', ..., '>=16k'."""
 
@@ -158,9 +188,11 @@ def answer(
     lossless: tuple[int, int] = (0, 0),
     online: pd.DataFrame | None = None,
     method: str = "eagle3",
+    starts: pd.DataFrame | None = None,
 ) -> str:
     """The report's first sentence: the drafter's tau at each temperature, losslessness, estimated speedup,
-    the n-gram baseline and the online verdict, with the numbers."""
+    the n-gram baseline, where sampled acceptance is lost (`cycle_start_table`) and the online verdict, with the
+    numbers."""
     allr = tau[(tau.method == method) & (tau.dataset == "all")] if len(tau) else tau
     parts = []
     if len(allr):
@@ -177,6 +209,16 @@ def answer(
         for t, c in ceiling(tau, method).items():
             parts.append(f"at T={t:g} the target's own argmax drafts reach tau {c['oracle']:.2f} (the ceiling of "
                          f"greedy drafting, as engines draft): {method} has {c['share']:.0%} of the gain")  # fmt: skip
+        for t, by in cycle_starts(starts, method).items():
+            if t == "T=0":  # the split explains sampled serving (at T=0 a rejection's token is the argmax)
+                continue
+            rej = by[CYCLE_STARTS[2]]
+            parts.append(
+                f"at {t} its first draft is accepted "
+                + ", ".join(f"{v['first_draft_accepted']:.2f} {how}" for how, v in by.items() if v["cycles"])
+                + f" ({rej['share_of_cycles']:.0%} of its cycles start after a rejection, whose token is drawn "
+                "from the residual max(0, p - q))"
+            )
     if online is not None and len(online):
         for r in online[online.dataset == "all"].itertuples():
             parts.append(f"{r.engine} online tau {r.online_tau:.2f} at T={r.temperature:g} ({r.verdict})")
@@ -197,10 +239,35 @@ def ceiling(tau: pd.DataFrame, method: str = "eagle3") -> dict[float, dict]:
     return out
 
 
+def cycle_starts(starts: pd.DataFrame | None, method: str = "eagle3") -> dict:
+    """{"T=t": {cycle start: {"cycles", "share_of_cycles", "first_draft_accepted"}}} of one method."""
+    if starts is None or not len(starts):
+        return {}
+    sel = starts[starts.method == method]
+    return {
+        f"T={t:g}": {
+            r.cycle_start: {
+                "cycles": int(r.cycles),
+                "share_of_cycles": float(r.share_of_cycles),
+                "first_draft_accepted": float(r.first_draft_accepted),
+            }
+            for r in g.itertuples()
+        }
+        for t, g in sel.groupby("temperature")
+    }
+
+
 def headline(
-    tau: pd.DataFrame, ctx: pd.DataFrame, pf: list[dict], on: pd.DataFrame | None, k: int, temps: list[float]
+    tau: pd.DataFrame,
+    ctx: pd.DataFrame,
+    pf: list[dict],
+    on: pd.DataFrame | None,
+    k: int,
+    temps: list[float],
+    starts: pd.DataFrame | None = None,
 ) -> dict:
-    """The numbers report.record keeps: taus per temperature, per-position acceptance, speedups, checks."""
+    """The numbers report.record keeps: taus per temperature, per-position acceptance, speedups, checks, and
+    eagle3's first-draft acceptance by how its cycle started (`cycle_start_table`)."""
     h: dict = {"preflight_ok": all(r["ok"] for r in pf), "temperatures": sorted(temps)}
     t0 = min(temps)
     if len(tau):
@@ -231,6 +298,7 @@ def headline(
                     "acc": [float(sel.loc["all", f"acc_{i}"]) for i in range(1, k + 1)],
                 }
         h["ceiling"] = {f"T={t:g}": c for t, c in ceiling(tau).items()}
+        h["eagle3_first_draft_by_cycle_start"] = cycle_starts(starts)
         c = ctx[(ctx.method == "eagle3") & (ctx.steps > 0)]
         h["tau_eagle3_by_context"] = {
             f"T={t:g}": dict(zip(g.bucket, g.tau.astype(float), strict=True))
@@ -268,6 +336,20 @@ def positions_table(ev) -> pd.DataFrame:
         return pd.DataFrame()
     pos = ev.positions[(ev.positions.method == "eagle3") & (ev.positions.dataset == "all")]
     return pos.pivot(index="temperature", columns="position", values=["acc", "cond_acc"]).round(3)
+
+
+def cycle_start_summary(ev) -> pd.DataFrame:
+    """First-draft acceptance (and the cycles behind it) per method x temperature (rows) and how the cycle
+    started (columns)."""
+    c = ev.starts
+    if not len(c):
+        return pd.DataFrame()
+    order = [h for h in CYCLE_STARTS if h in set(c.cycle_start)]
+    acc = c.pivot(index=["method", "temperature"], columns="cycle_start", values="first_draft_accepted")[
+        order
+    ]
+    n = c.pivot(index=["method", "temperature"], columns="cycle_start", values="cycles")[order]
+    return pd.concat({"first_draft_accepted": acc.round(3), "cycles": n}, axis=1)
 
 
 def context_summary(ev) -> pd.DataFrame:

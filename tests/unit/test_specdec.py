@@ -767,8 +767,55 @@ def test_first_draft_acceptance_is_split_by_how_its_cycle_started():
     as after all accepted (0 of 0)."""
     a = specdec.Generation(output_ids=[], matched=[3, 0, 2, 3, 1], drafted=[3, 3, 3, 3, 3])
     b = specdec.Generation(output_ids=[], matched=[1, 0, 3, 0], drafted=[3, 0, 3, 3])
-    got = specdec.first_draft_by_cycle_start([a, b])
+    got = specdec.first_draft_by_cycle_start([(g.matched, g.drafted) for g in (a, b)])
     # a: first 3 (hit); after all (3 of 3): 0 (miss); after a rejection (0): 2 (hit); after a rejection (2): 3
     #    (hit); after all (3 of 3): 1 (hit)
     # b: first 1 (hit); nothing drafted (skipped); after all (0 of 0): 3 (hit); after all (3 of 3): 0 (miss)
     assert got == {"first cycle": (2, 2), "after all accepted": (2, 4), "after a rejection": (2, 2)}
+
+
+def test_06_reports_first_draft_acceptance_by_cycle_start_by_hand():
+    """06's cycle_start table, headline and answer from hand-made records of k=3 (counted by hand below), per
+    method x temperature pooled over datasets; the none method (nothing drafted) has no rows."""
+
+    def rec(method, temp, ds, matched, drafted):
+        return {"method": method, "temperature": temp, "dataset": ds, "matched": matched, "drafted": drafted}
+
+    gens = [
+        # T=1 eagle3: first cycles 3 (hit), 0 (miss); after all accepted: 1 (hit); after a rejection: 2, 0, 3
+        rec(
+            "eagle3", 1.0, "chat", [3, 1, 2], [3, 3, 3]
+        ),  # first hit; after all (3/3): 1 hit; after rej (1): 2 hit
+        rec(
+            "eagle3", 1.0, "code", [0, 0, 3], [3, 3, 3]
+        ),  # first miss; after rej (0): 0 miss; after rej (0): 3 hit
+        rec("eagle3", 0.0, "chat", [3, 3], [3, 3]),  # T=0: first hit, after all hit
+        rec("none", 1.0, "chat", [0, 0], [0, 0]),
+    ]
+    t = tables_mod.cycle_start_table(gens)
+    one = t[(t.method == "eagle3") & (t.temperature == 1.0)].set_index("cycle_start")
+    assert one.cycles.to_dict() == {"first cycle": 2, "after all accepted": 1, "after a rejection": 3}
+    assert one.first_draft_accepted.to_dict() == pytest.approx(
+        {"first cycle": 0.5, "after all accepted": 1.0, "after a rejection": 2 / 3}
+    )
+    assert one.share_of_cycles["after a rejection"] == pytest.approx(0.5)  # 3 of 6
+    assert set(t.method) == {"eagle3"}
+    zero = t[t.temperature == 0.0].set_index("cycle_start")
+    assert zero.cycles.to_dict() == {"first cycle": 1, "after all accepted": 1, "after a rejection": 0}
+    assert math.isnan(zero.first_draft_accepted["after a rejection"])
+    h = tables_mod.cycle_starts(t)
+    assert h["T=1"]["after a rejection"] == {
+        "cycles": 3,
+        "share_of_cycles": 0.5,
+        "first_draft_accepted": 2 / 3,
+    }
+    tau = pd.DataFrame(
+        [{"method": "eagle3", "temperature": 1.0, "dataset": "all", "tau": 2.5, "est_speedup": float("nan")}]
+    )
+    text = tables_mod.answer(tau, 3, starts=t)
+    assert (
+        "at T=1 its first draft is accepted 0.50 first cycle, 1.00 after all accepted, 0.67 after a rejection"
+        in text
+    )
+    assert "(50% of its cycles start after a rejection" in text
+    assert "T=0 its first draft" not in text  # the split is for sampled serving only
