@@ -102,9 +102,11 @@ def cost_ratio(gens: list[dict]) -> float | None:
 def cycle_start_table(gens: list[dict]) -> pd.DataFrame:
     """Where acceptance is lost: per method x temperature (all datasets), the cycles by how they started
     (`specdec.CYCLE_STARTS`: a prompt's first, after a cycle that accepted every draft, after a rejection), their
-    share of the cycles, and the share whose first draft was accepted. At T > 0 the token after a rejection is drawn
-    from the residual max(0, p - q), a token the drafter gave too little mass; a drafter that cannot read it loses
-    the next cycle too. Methods that never drafted (none) have no rows."""
+    share of the cycles, and the share whose first draft was accepted. Positions where the drafter is weak come in
+    stretches (at T > 0 on the toy: where the target hesitates between many tokens), and a cycle there yields one
+    token, so such stretches fill most of the cycles that start after a rejection: a low share there says how much
+    of the run is spent in them (`benchmarks/diag_served.py` splits the acceptance by the target's confidence).
+    Methods that never drafted (none) have no rows."""
     rows = []
     by: dict[tuple[str, float], list[dict]] = {}
     for r in gens:
@@ -216,8 +218,7 @@ def answer(
             parts.append(
                 f"at {t} its first draft is accepted "
                 + ", ".join(f"{v['first_draft_accepted']:.2f} {how}" for how, v in by.items() if v["cycles"])
-                + f" ({rej['share_of_cycles']:.0%} of its cycles start after a rejection, whose token is drawn "
-                "from the residual max(0, p - q))"
+                + f" ({rej['share_of_cycles']:.0%} of its cycles start after a rejection)"
             )
     if online is not None and len(online):
         for r in online[online.dataset == "all"].itertuples():
