@@ -184,6 +184,18 @@ def answer_text(summary: dict) -> str:
         "probabilistic draft is accepted more often than that."
         for t, v in mass.items()
     )
+    for t, per in (held.get("served_acceptance") or {}).items():
+        low = [r for r in held.get("by_target_confidence") or [] if r["labels"] and r["p_top1_below"] <= 0.3]
+        where = (
+            f", {low[0][f'alpha_{t}']:.2f} where the target's top-1 is under 0.3 ({low[0]['share']:.0%} of the labels)"
+            if low and f"alpha_{t}" in low[0]
+            else ""
+        )
+        served += (
+            f" At {t} a probabilistic draft is accepted " + " / ".join(f"{a:.2f}" for a in per)
+            + f" at draft positions 1..{len(per)}, teacher-forced{where}; decoding accepts less, since weak "
+            "positions come in stretches that fill the cycles (06 measures it)."
+        )  # fmt: skip
     return (
         f"Held-out acc_0 {acc0:.2f} (teacher-forced; majority-token baseline "
         f"{summary['vocab']['majority_share']:.2f}), {tau}, draft vocab coverage "
@@ -217,6 +229,8 @@ def headline(summary: dict) -> dict:
         # per served T > 0: the draft vocab's share of the target's sampling distribution on held-out labels, the
         # ceiling of a probabilistic draft's acceptance rate
         "heldout_served_vocab_mass": held.get("served_vocab_mass") or None,
+        # per served T > 0: the teacher-forced acceptance of a probabilistic draft (sum min(p, q)) per draft position
+        "heldout_served_acceptance": held.get("served_acceptance") or None,
         "measured_tau": (summary.get("measured") or {}).get("final_tau"),
         "measured_best_tau": (summary.get("measured") or {}).get("best_tau"),
         "measured_elapsed_s": (summary.get("measured") or {}).get("elapsed_s"),

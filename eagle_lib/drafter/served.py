@@ -130,15 +130,31 @@ def nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < top_p)
 
 
-def vocab_mass(logits: torch.Tensor, cols: torch.Tensor, term: Term) -> torch.Tensor:
-    """(n,) the share of the target's served distribution (softmax(logits / T), its nucleus over the whole vocab,
-    renormalised) that lies on the draft ids ``cols``: a draft drawn from the draft vocab is accepted with
-    sum_v min(p_v, q_v) <= this, whatever the drafter (the draft vocab's ceiling at this temperature)."""
+def served_probs(logits: torch.Tensor, term: Term) -> torch.Tensor:
+    """(n, V) the target's served distribution: softmax(logits / T), its nucleus over the whole vocab, renormalised."""
     p = (_fp32(logits) / term.target_temperature).softmax(-1)
     if term.top_p < 1:
         p = torch.where(nucleus(p, term.top_p), p, torch.zeros_like(p))
         p = p / p.sum(-1, keepdim=True)
-    return p[:, cols].sum(-1)
+    return p
+
+
+def vocab_mass(logits: torch.Tensor, cols: torch.Tensor, term: Term) -> torch.Tensor:
+    """(n,) the share of the target's served distribution (`served_probs`) that lies on the draft ids ``cols``: a
+    draft drawn from the draft vocab is accepted with sum_v min(p_v, q_v) <= this, whatever the drafter (the draft
+    vocab's ceiling at this temperature)."""
+    return served_probs(logits, term)[:, cols].sum(-1)
+
+
+def acceptance(
+    logits: torch.Tensor, cols: torch.Tensor, draft_logits: torch.Tensor, term: Term
+) -> torch.Tensor:
+    """(n,) sum_v min(p_v, q_v): how often a draft drawn from q = softmax(draft logits / T) over the draft ids
+    ``cols`` (vLLM's probabilistic drafts: the request's temperature, no top-p) is accepted by speculative
+    sampling against the target's served p (`served_probs`, over the whole vocab: mass off the draft ids is lost)."""
+    p = served_probs(logits, term)[:, cols]
+    q = (_fp32(draft_logits) / term.serve_temperature).softmax(-1)
+    return torch.minimum(p, q).sum(-1)
 
 
 def target_logprobs(logits: torch.Tensor, cols: torch.Tensor | None, term: Term) -> torch.Tensor:

@@ -137,6 +137,11 @@ class TTT(nn.Module):
         # set by `evaluate`: per sampled term (T > 0), the draft vocab's share of the target's served distribution
         # at the first draft's labels (`served.vocab_mass`) and the labels, added up here
         self.served_mass: torch.Tensor | None = None
+        # set by `evaluate`: per sampled term, the teacher-forced acceptance of a probabilistic draft
+        # (`served.acceptance`) summed per unroll step with its labels (R, k, 2), and the first draft's summed per
+        # CONFIDENCE_EDGES bin (R, bins)
+        self.served_alpha: torch.Tensor | None = None
+        self.served_alpha_bins: torch.Tensor | None = None
 
     def _objective(self, target_rows: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
         """(n,) the objective at label rows: target logits (n, V), or (n, N) draft columns when plain."""
@@ -205,6 +210,8 @@ class TTT(nn.Module):
             labels = sh.local(shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids))
             bi, ti = labels.nonzero(as_tuple=True)
             ti = ti + a + 1 + i  # the target rows they read, in the whole row
+            if self.served_alpha is not None and self.served_alpha.shape[0]:
+                self._add_served_alpha(i, out[labels].detach(), target_logits, bi, ti)
             tgt_arg, in_vocab = t_arg[bi, ti], t_in[bi, ti]
             if self.loss_chunk:
                 ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti, self._objective,
@@ -250,6 +257,27 @@ class TTT(nn.Module):
             )
             self.served_mass[r, 1] += len(tgt_logits)
 
+    def _add_served_alpha(self, i: int, out_rows: torch.Tensor, target_logits, bi, ti) -> None:
+        """Add step i's teacher-forced acceptance of a probabilistic draft per sampled term (and at i = 0 per bin of
+        the target's own top-1 probability, as `_add_confidence` bins), a chunk of label rows at a time."""
+        d, cols = self.drafter, self.drafter.draft_ids()
+        step = self.loss_chunk or max(1, len(bi))
+        edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float64, device=out_rows.device)
+        with torch.no_grad():
+            for j in range(0, len(bi), step):
+                tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step])
+                z = at_least_fp32(d.head(out_rows[j : j + step]))
+                b = torch.bucketize(at_least_fp32(tl).softmax(-1).amax(-1).double(), edges, right=True)
+                for r, t in enumerate(self.sampled_terms()):
+                    a = served.acceptance(tl, cols, z, t).double()
+                    self.served_alpha[r, i, 0] += a.sum().to(self.served_alpha)
+                    self.served_alpha[r, i, 1] += len(a)
+                    if i == 0:
+                        n = self.served_alpha_bins.shape[1]
+                        self.served_alpha_bins[r] += torch.bincount(b, weights=a, minlength=n).to(
+                            self.served_alpha_bins
+                        )
+
     def _add_confidence(self, tgt_logits: torch.Tensor, correct: torch.Tensor) -> None:
         """Add the first draft's labels and hits per bin of the target's top-1 probability (its own, T=1)."""
         p1 = at_least_fp32(tgt_logits).softmax(-1).amax(-1)  # (n,)
@@ -263,8 +291,10 @@ class TTT(nn.Module):
 SAMPLED = "T={:g}"  # the key of a sampled term's served vocab mass
 
 
-def confidence_table(counts: torch.Tensor) -> list[dict]:
-    """Rows per bin of the target's top-1 probability: labels, their share, acc_0, and the share of all misses."""
+def confidence_table(counts: torch.Tensor, alpha: dict[str, list[float]] | None = None) -> list[dict]:
+    """Rows per bin of the target's top-1 probability: labels, their share, acc_0, and the share of all misses;
+    with ``alpha`` ({"T=t": summed acceptance per bin}), each served temperature's mean acceptance of a
+    probabilistic first draft there (``alpha_T=t``)."""
     labels, hits = (x.double().cpu().tolist() for x in counts)
     misses = sum(labels) - sum(hits)
     lows, highs = (0.0, *CONFIDENCE_EDGES), (*CONFIDENCE_EDGES, 1.0)
@@ -276,8 +306,9 @@ def confidence_table(counts: torch.Tensor) -> list[dict]:
             "share": n / sum(labels) if sum(labels) else float("nan"),
             "acc_0": h / n if n else float("nan"),
             "miss_share": (n - h) / misses if misses else float("nan"),
+            **{f"alpha_{t}": (v[b] / n if n else float("nan")) for t, v in (alpha or {}).items()},
         }
-        for lo, hi, n, h in zip(lows, highs, labels, hits, strict=True)
+        for b, (lo, hi, n, h) in enumerate(zip(lows, highs, labels, hits, strict=True))
     ]
 
 
@@ -336,7 +367,12 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
     model.eval()
     inner = distributed.unwrap(model)
     inner.confidence = torch.zeros(2, len(CONFIDENCE_EDGES) + 1, dtype=torch.float64, device=device)
-    inner.served_mass = torch.zeros(len(inner.sampled_terms()), 2, dtype=torch.float64, device=device)
+    n_sampled = len(inner.sampled_terms())
+    inner.served_mass = torch.zeros(n_sampled, 2, dtype=torch.float64, device=device)
+    inner.served_alpha = torch.zeros(n_sampled, inner.steps, 2, dtype=torch.float64, device=device)
+    inner.served_alpha_bins = torch.zeros(
+        n_sampled, len(CONFIDENCE_EDGES) + 1, dtype=torch.float64, device=device
+    )
     try:
         with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             for i in range(0, len(rows), rows_per_batch):
@@ -350,15 +386,24 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
                 total = stats if total is None else total + stats
         total = inner.shard.total(total)  # sequence parallel: every rank held a part of each row
         out = summarize(total)
-        out["by_target_confidence"] = confidence_table(inner.shard.total(inner.confidence))
+        keys = [SAMPLED.format(t.serve_temperature) for t in inner.sampled_terms()]
+        bins = inner.shard.total(inner.served_alpha_bins).cpu().tolist()
+        out["by_target_confidence"] = confidence_table(
+            inner.shard.total(inner.confidence), dict(zip(keys, bins, strict=True))
+        )
         mass = inner.shard.total(inner.served_mass).cpu().tolist()
         out["served_vocab_mass"] = {
-            SAMPLED.format(t.serve_temperature): (m / n if n else float("nan"))
-            for t, (m, n) in zip(inner.sampled_terms(), mass, strict=True)
+            key: (m / n if n else float("nan")) for key, (m, n) in zip(keys, mass, strict=True)
+        }
+        alpha = inner.shard.total(inner.served_alpha).cpu().tolist()
+        out["served_acceptance"] = {
+            key: [a / n if n else float("nan") for a, n in per] for key, per in zip(keys, alpha, strict=True)
         }
     finally:
         inner.confidence = None
         inner.served_mass = None
+        inner.served_alpha = None
+        inner.served_alpha_bins = None
         model.train()
     return out
 

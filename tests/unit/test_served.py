@@ -163,19 +163,25 @@ def test_losses_stay_finite_with_zeros_in_the_target_and_their_gradients_too(los
 
 
 def test_a_nucleus_term_unrolled_with_the_chunked_head_equals_the_eager_unroll():
-    """Loss, stats and every gradient: the chunked head makes the target rows over the whole vocab per chunk."""
+    """Loss, stats, every gradient and the held-out acceptance accumulators: the chunked head makes the target rows
+    over the whole vocab per chunk."""
     m = drafter(seed=3, n=20)
     args = packed(45, 2, seed=1)
     terms = served.terms([0.0, 1.0], 0.9, [0.3, 0.7], 0.5, "soft_ce", "tv")
 
     def run(model):
+        model.served_alpha = torch.zeros(1, 3, 2, dtype=torch.float64)  # the held-out acceptance accumulators
+        model.served_alpha_bins = torch.zeros(1, len(ttt.CONFIDENCE_EDGES) + 1, dtype=torch.float64)
         loss, stats = model(*args)
-        return loss, stats, torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        return loss, stats, grads, model.served_alpha, model.served_alpha_bins
 
     ref = run(ttt.TTT(m, 3, 0.8, "eager", terms=terms))
     got = run(ttt.TTT(m, 3, 0.8, "chunked", loss_chunk=4, terms=terms))
     torch.testing.assert_close(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1])
+    torch.testing.assert_close(got[3], ref[3])
+    torch.testing.assert_close(got[4], ref[4])
     for a, b in zip(got[2], ref[2], strict=True):
         torch.testing.assert_close(a, b)
     # and the nucleus changes the loss (the term is not the plain one)
@@ -183,3 +189,72 @@ def test_a_nucleus_term_unrolled_with_the_chunked_head_equals_the_eager_unroll()
         ttt.TTT(m, 3, 0.8, "eager", terms=served.terms([0.0, 1.0], 1.0, [0.3, 0.7], 0.5, "soft_ce", "tv"))
     )
     assert abs(float(plain[0].detach()) - float(ref[0].detach())) > 1e-4
+
+
+def test_heldout_evaluation_reports_the_acceptance_of_a_probabilistic_draft_as_an_engine_would_draw_it():
+    """The unroll's accumulators of sum_v min(p_v, q_v) per step (and per bin of the target's top-1 at step 0)
+    against a reference from the drafter run as an engine runs it (`inference_chain`: the data's tokens fed to each
+    step) and the decoder's own warp of the target (`sampling.warp`: T, top_p over the whole vocab), the draft
+    sampled from softmax(logits / T) over the draft ids, summed in plain Python."""
+    from eagle_lib.serving.sampling import warp
+    from tests.unit.test_train import inference_chain, inputs
+
+    m = drafter(seed=3, n=20)
+    t_len, k, temp, top_p = 24, 3, 1.0, 0.9
+    ids, pos, doc, aux, tl = inputs(t_len, seed=4)
+    mask = torch.rand(1, t_len, generator=torch.Generator().manual_seed(5)) < 0.8
+    terms = served.terms([0.0, temp], top_p, [], 0.5, "soft_ce", "tv")
+    model = ttt.TTT(m, k, 0.8, "eager", terms=terms)
+    n_bins = len(ttt.CONFIDENCE_EDGES) + 1
+    model.served_alpha = torch.zeros(1, k, 2, dtype=torch.float64)
+    model.served_alpha_bins = torch.zeros(1, n_bins, dtype=torch.float64)
+    with torch.no_grad():
+        model(ids, pos, doc, mask, aux, tl)
+    cols = m.draft_ids()
+    want = [[0.0, 0] for _ in range(k)]
+    bins = [0.0] * n_bins
+    with torch.no_grad():
+        for t in range(t_len - 2):
+            steps = min(k, t_len - 2 - t)
+            chain = inference_chain(m, ids, aux, t, steps)
+            for i in range(steps):
+                if not mask[0, t + 2 + i]:
+                    continue
+                p = warp(tl[0, t + 1 + i], temp, 0, top_p)[cols].tolist()
+                q = torch.softmax(chain[i].double() / temp, -1).tolist()
+                a = sum(min(x, y) for x, y in zip(p, q, strict=True))
+                want[i][0] += a
+                want[i][1] += 1
+                if i == 0:
+                    top1 = float(torch.softmax(tl[0, t + 1], -1).max())
+                    bins[sum(top1 >= e for e in ttt.CONFIDENCE_EDGES)] += a
+    assert [int(n) for n in model.served_alpha[0, :, 1].tolist()] == [n for _, n in want]
+    assert model.served_alpha[0, :, 0].tolist() == pytest.approx([a for a, _ in want], abs=1e-9)
+    assert model.served_alpha_bins[0].tolist() == pytest.approx(bins, abs=1e-9)
+    assert (
+        0.05 < want[0][0] / want[0][1] < 0.95
+    )  # neither 0 nor 1: the draft is neither disjoint nor the target
+
+
+def test_05s_answer_and_headline_state_the_served_acceptance_and_where_the_target_hesitates():
+    """From a hand-made summary: the per-position acceptance at T=1 and the first bin under 0.3 (its alpha and
+    share), into the answer and the headline."""
+    from eagle_lib.drafter import figures
+
+    counts = torch.tensor([[10.0, 0, 0, 0, 0, 30.0], [5.0, 0, 0, 0, 0, 29.0]], dtype=torch.float64)
+    rows = ttt.confidence_table(counts, {"T=1": [5.2, 0, 0, 0, 0, 28.5]})
+    assert rows[0]["alpha_T=1"] == pytest.approx(0.52) and rows[5]["alpha_T=1"] == pytest.approx(0.95)
+    assert math.isnan(rows[1]["alpha_T=1"])  # an empty bin
+    summary = {
+        "steps": 200, "ttt_steps": 3, "train_sequences": 1, "heldout_sequences": 1, "train_tokens": 1,
+        "tokens_per_s": 1.0, "final_train_loss": 1.0,
+        "heldout": {"acc": [0.9], "by_target_confidence": rows, "served_acceptance": {"T=1": [0.84, 0.85, 0.8]}},
+        "vocab": {"majority_share": 0.05, "coverage": 0.98},
+    }  # fmt: skip
+    text = figures.answer_text(summary)
+    assert (
+        "At T=1 a probabilistic draft is accepted 0.84 / 0.85 / 0.80 at draft positions 1..3, teacher-forced, "
+        in text
+    )
+    assert "0.52 where the target's top-1 is under 0.3 (25% of the labels)" in text
+    assert figures.headline(summary)["heldout_served_acceptance"] == {"T=1": [0.84, 0.85, 0.8]}
