@@ -98,7 +98,7 @@ def cost_ratio(gens: list[dict]) -> float | None:
     return (sum(r["draft_s"] for r in g) / d_calls) / (sum(r["target_s"] for r in g) / t_calls)
 
 
-# --- tau by context length ----------------------------------------------------------------------------------
+# --- first drafts by how their cycle started ----------------------------------------------------------------
 def cycle_start_table(gens: list[dict]) -> pd.DataFrame:
     """Where acceptance is lost: per method x temperature (all datasets), the cycles by how they started
     (`specdec.CYCLE_STARTS`: a prompt's first, after a cycle that accepted every draft, after a rejection), their
@@ -131,6 +131,7 @@ def cycle_start_table(gens: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# --- tau by context length ----------------------------------------------------------------------------------
 def bucket_labels(edges: list[int]) -> list[str]:
     """Labels of the buckets [0, e1), [e1, e2), ..., [e_n, inf): '<1k', '1k-4k', ..., '>=16k'."""
 
