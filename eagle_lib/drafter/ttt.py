@@ -210,8 +210,6 @@ class TTT(nn.Module):
             labels = sh.local(shift(loss_mask, 2 + i, False) & (shift(doc_ids, 2 + i, -2) == doc_ids))
             bi, ti = labels.nonzero(as_tuple=True)
             ti = ti + a + 1 + i  # the target rows they read, in the whole row
-            if self.served_alpha is not None and self.served_alpha.shape[0]:
-                self._add_served_alpha(i, out[labels].detach(), target_logits, bi, ti)
             tgt_arg, in_vocab = t_arg[bi, ti], t_in[bi, ti]
             if self.loss_chunk:
                 ce, arg = longseq.chunked_head_loss(d, out[labels], target_logits, bi, ti, self._objective,
@@ -232,12 +230,8 @@ class TTT(nn.Module):
                 correct[labels] = drafted == tgt_arg
                 den = (labels & prefix).sum()
                 prefix = prefix & labels & correct
-                if i == 0 and self.confidence is not None:
-                    hits, step = correct[labels], self.loss_chunk or max(1, len(bi))
-                    for j in range(0, len(bi), step):
-                        tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step])
-                        self._add_confidence(tl, hits[j : j + step])
-                        self._add_served_mass(tl)
+                if (i == 0 and self.confidence is not None) or self.served_alpha is not None:
+                    self._add_heldout(i, out[labels], correct[labels], target_logits, bi, ti)
                 row = [loss_sum.detach(), n_loss, correct.sum(), labels.sum(), prefix.sum(), den]
                 stats.append(torch.stack([x.float() for x in row]))
         # this rank's rows' stats; the loss times the group size (the gradient average over ranks sums the group)
@@ -246,46 +240,45 @@ class TTT(nn.Module):
     def sampled_terms(self) -> list[served.Term]:
         return [t for t in self.terms if t.serve_temperature > 0]
 
-    def _add_served_mass(self, tgt_logits: torch.Tensor) -> None:
-        """Add the draft vocab's share of each sampled term's served distribution over these label rows."""
-        if self.served_mass is None:
-            return
-        cols = self.drafter.draft_ids()
-        for r, t in enumerate(self.sampled_terms()):
-            self.served_mass[r, 0] += (
-                served.vocab_mass(tgt_logits, cols, t).double().sum().to(self.served_mass)
-            )
-            self.served_mass[r, 1] += len(tgt_logits)
-
-    def _add_served_alpha(self, i: int, out_rows: torch.Tensor, target_logits, bi, ti) -> None:
-        """Add step i's teacher-forced acceptance of a probabilistic draft per sampled term (and at i = 0 per bin of
-        the target's own top-1 probability, as `_add_confidence` bins), a chunk of label rows at a time."""
-        d, cols = self.drafter, self.drafter.draft_ids()
+    def _add_heldout(self, i: int, out_rows, hits, target_logits, bi, ti) -> None:
+        """Add to the held-out accumulators `evaluate` sets (each None: skipped), a chunk of label rows at a time
+        with one fetch of the target's rows: at step 0 the first draft's labels and hits per bin of the target's own
+        top-1 probability (`confidence`) and the draft vocab's share of each sampled term's served distribution
+        (`served_mass`, `served.vocab_mass`); at every step each sampled term's acceptance of a probabilistic draft
+        (`served_alpha`, `served.acceptance`; at step 0 per bin too)."""
+        d, cols, terms = self.drafter, self.drafter.draft_ids(), self.sampled_terms()
         step = self.loss_chunk or max(1, len(bi))
-        edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float64, device=out_rows.device)
-        with torch.no_grad():
-            for j in range(0, len(bi), step):
-                tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step])
-                z = at_least_fp32(d.head(out_rows[j : j + step]))
-                b = torch.bucketize(at_least_fp32(tl).softmax(-1).amax(-1).double(), edges, right=True)
-                for r, t in enumerate(self.sampled_terms()):
-                    a = served.acceptance(tl, cols, z, t).double()
-                    self.served_alpha[r, i, 0] += a.sum().to(self.served_alpha)
-                    self.served_alpha[r, i, 1] += len(a)
-                    if i == 0:
-                        n = self.served_alpha_bins.shape[1]
-                        self.served_alpha_bins[r] += torch.bincount(b, weights=a, minlength=n).to(
-                            self.served_alpha_bins
-                        )
-
-    def _add_confidence(self, tgt_logits: torch.Tensor, correct: torch.Tensor) -> None:
-        """Add the first draft's labels and hits per bin of the target's top-1 probability (its own, T=1)."""
-        p1 = at_least_fp32(tgt_logits).softmax(-1).amax(-1)  # (n,)
-        edges = torch.tensor(CONFIDENCE_EDGES, dtype=p1.dtype, device=p1.device)
-        b = torch.bucketize(p1, edges, right=True)
-        n = len(CONFIDENCE_EDGES) + 1
-        self.confidence[0] += torch.bincount(b, minlength=n).to(self.confidence)
-        self.confidence[1] += torch.bincount(b, weights=correct.to(p1.dtype), minlength=n).to(self.confidence)
+        n_bins = len(CONFIDENCE_EDGES) + 1
+        for j in range(0, len(bi), step):
+            tl = longseq.target_rows(target_logits, bi[j : j + step], ti[j : j + step])
+            p1 = at_least_fp32(tl).softmax(-1).amax(-1)  # (n,) the target's own top-1 probability (T=1)
+            b = torch.bucketize(
+                p1, torch.tensor(CONFIDENCE_EDGES, dtype=p1.dtype, device=p1.device), right=True
+            )
+            if i == 0 and self.confidence is not None:
+                self.confidence[0] += torch.bincount(b, minlength=n_bins).to(self.confidence)
+                hit = hits[j : j + step].to(p1.dtype)
+                self.confidence[1] += torch.bincount(b, weights=hit, minlength=n_bins).to(self.confidence)
+            z = (
+                at_least_fp32(d.head(out_rows[j : j + step]))
+                if self.served_alpha is not None and terms
+                else None
+            )
+            for r, t in enumerate(terms):
+                if i == 0 and self.served_mass is not None:
+                    self.served_mass[r, 0] += (
+                        served.vocab_mass(tl, cols, t).double().sum().to(self.served_mass)
+                    )
+                    self.served_mass[r, 1] += len(tl)
+                if z is None:
+                    continue
+                a = served.acceptance(tl, cols, z, t).double()
+                self.served_alpha[r, i, 0] += a.sum().to(self.served_alpha)
+                self.served_alpha[r, i, 1] += len(a)
+                if i == 0 and self.served_alpha_bins is not None:
+                    self.served_alpha_bins[r] += torch.bincount(b, weights=a, minlength=n_bins).to(
+                        self.served_alpha_bins
+                    )
 
 
 SAMPLED = "T={:g}"  # the key of a sampled term's served vocab mass
