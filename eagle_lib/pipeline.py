@@ -312,6 +312,20 @@ def unpinned_remote_code(shared) -> str:
     return ""
 
 
+def prepare_target(target: str, log=print) -> None:
+    """A GGUF target is converted here, once, before any stage (not inside the first report, nor by several
+    stage processes at once); a GGUF that cannot become a target stops the run before any stage."""
+    from eagle_lib.targets import gguf_target
+
+    if not gguf_target.is_gguf(target):
+        return
+    try:
+        path = gguf_target.resolve(target, log=log)
+    except (gguf_target.GGUFTargetError, FileNotFoundError) as e:
+        raise ParamsError(f"shared.target: {e}") from None
+    log(f"target {target} -> {path}")
+
+
 def run_pipeline(
     params_path: str | Path,
     stages: str | None = None,
@@ -332,6 +346,7 @@ def run_pipeline(
         from eagle_lib.toy import uris
 
         uris.resolve(run.shared.target)
+    prepare_target(run.shared.target, log)
     run_dir = root / run.run_dir
     runner = Runner(run, run_dir, force=force, registry=registry, root=root, log=log)
     names = runner.available(select_stages(stages, registry))

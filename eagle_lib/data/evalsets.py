@@ -21,6 +21,7 @@ A row that does not follow its schema raises an error naming the file, the row a
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,6 +205,41 @@ def followups(
             out.setdefault(label, []).append(Prompt(f"{r['id']}#t{k}", label, ids))
             kept += 1
     return out, {"kept": kept, "dropped": {"too_long": too_long} if too_long else {}}
+
+
+# --- contamination: an eval prompt must not be in the training data -----------------------------------------
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _grams(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i : i + n]) for i in range(max(len(words) - n + 1, 1))} if words else set()
+
+
+def overlap(eval_texts: dict[str, str], train_texts, n: int = 13) -> dict[str, float]:
+    """Per eval prompt (id -> text), the share of its word n-grams (lower-cased ``\\w+`` words; a prompt shorter
+    than n words is one gram) that occur in any training text (an iterable, read once). 1.0: the prompt is in the
+    training data; > 0: a passage of it is (GPT-3's 13-gram contamination test, per prompt)."""
+    grams = {k: _grams(_words(t), n) for k, t in eval_texts.items()}
+    wanted = set().union(*grams.values()) if grams else set()
+    seen: set[tuple[str, ...]] = set()
+    for text in train_texts:
+        w = _words(text)
+        seen |= {g for g in _grams(w, n) if g in wanted} if len(w) >= n else ({tuple(w)} & wanted)
+    return {k: (len(g & seen) / len(g) if g else 0.0) for k, g in grams.items()}
+
+
+def training_texts(run_dir: str | Path, tokenizer, batch: int = 256):
+    """The text of everything a run trains on: its A records and B prompts + 03's answers, decoded."""
+    run_dir = Path(run_dir)
+    for f in sorted(run_dir.glob("data/B/*/prompts.jsonl")):
+        for rec in store.iter_jsonl(f):
+            yield from (m.get("content") or "" for m in rec.get("messages", []))
+    for pattern, key in (("data/A/*/records.jsonl", "input_ids"), ("infer/*/responses.jsonl", "output_ids")):
+        for f in sorted(run_dir.glob(pattern)):
+            ids = [rec[key] for rec in store.iter_jsonl(f)]
+            for i in range(0, len(ids), batch):
+                yield from tokenizer.batch_decode(ids[i : i + batch], skip_special_tokens=True)
 
 
 # --- the run's own held-out prompts (06 and 07 decode the same ones) ---------------------------------------

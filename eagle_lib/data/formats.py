@@ -41,6 +41,9 @@ class Source(params.Strict):
     )
     streaming: bool = False  # stream a hub dataset instead of downloading it whole
     max_read: int = 0  # stop after reading this many rows (0: all)
+    skip: int = (
+        0  # rows to pass over before reading (disjoint slices of one file: A takes 0-999, B skips 1000)
+    )
     drop_system: bool = False  # drop system messages (e.g. OpenThoughts' format-forcing system prompt)
     target_only: bool = False  # swe_agent: keep only trajectories whose `target` is true (resolved runs)
 

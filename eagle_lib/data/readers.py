@@ -1,5 +1,10 @@
-"""Reading a dataset source row by row: local json / jsonl / parquet files, ``toy://data/<name>``, and hub ids or
-local folders laid out like a hub dataset repository (both through ``datasets.load_dataset``).
+"""Reading a dataset source row by row: local json / jsonl / parquet files (json and jsonl also gzipped),
+``toy://data/<name>``, ``pypi://<package>/<file>`` (a file inside an installed package), and hub ids or local
+folders laid out like a hub dataset repository (both through ``datasets.load_dataset``).
+
+A JSON array is read record by record: a file cut off inside a record (ShareGPT V3's file in its PyPI wheel) gives
+every whole record before the cut and one unreadable row for the rest, with its byte offsets, which the stages
+count and report like any rejected row.
 
 :func:`iter_rows` yields ``(where, row, error)``: where = {file, line | row}, error = why a row is unreadable.
 """
@@ -22,7 +27,8 @@ def is_hub_id(path: str) -> bool:
     return (
         re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
         and not Path(path).exists()
-        and Path(path).suffix not in (".json", ".jsonl", ".parquet")
+        and Path(path).suffix not in (".json", ".jsonl", ".parquet", ".gz")
+        and not path.startswith("pypi://")
     )
 
 
@@ -43,24 +49,31 @@ def iter_rows(src: Any) -> Iterator[tuple[dict, dict | None, str | None]]:
         if not p.exists():
             raise FileNotFoundError(f"dataset {src.name}: {path}: no such file (and not a hub id)")
         rows = _iter_parquet(p) if p.suffix == ".parquet" else _iter_json(p)
+    skip = getattr(src, "skip", 0)
     for n, item in enumerate(rows):
-        if src.max_read and n >= src.max_read:
+        if n < skip:
+            continue
+        if src.max_read and n - skip >= src.max_read:
             return
         yield item
 
 
+def _open(path: Path):
+    """A binary file object, gunzipped when the name ends in .gz."""
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
 def _iter_json(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
-    with open(path, "rb") as f:
+    with _open(path) as f:
         head = f.read(1024).lstrip()
-    if path.suffix == ".json" and head.startswith(b"["):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise Malformed(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        for i, row in enumerate(data):
-            yield _checked({"file": str(path), "row": i}, row)
+    if path.name.removesuffix(".gz").endswith(".json") and head.startswith(b"["):
+        yield from _iter_json_array(path)
         return
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -74,6 +87,39 @@ def _iter_json(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
                 yield where, None, f"invalid JSON: {e.msg} (column {e.colno})"
                 continue
             yield _checked(where, row)
+
+
+def _iter_json_array(path: Path) -> Iterator[tuple[dict, dict | None, str | None]]:
+    """The records of a JSON array one by one; where the array cannot be read on (a file cut off inside a
+    record, or broken JSON), one unreadable row for the rest of the file, naming its byte offsets."""
+    with _open(path) as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Malformed(f"{path}: invalid UTF-8 at byte {e.start}") from None
+    dec = json.JSONDecoder()
+    pos, n, end = text.index("[") + 1, 0, len(text)
+    while True:
+        while pos < end and text[pos] in " \t\r\n":
+            pos += 1
+        if pos < end and text[pos] == "]":
+            return
+        if pos < end and text[pos] == "," and n:
+            pos += 1
+            while pos < end and text[pos] in " \t\r\n":
+                pos += 1
+        where = {"file": str(path), "row": n}
+        try:
+            row, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            closed = text.rstrip().endswith("]")
+            cut = f"invalid JSON: {e.msg}" if closed else "the file is cut off: the array is never closed"
+            rest = len(text[pos:].encode("utf-8"))
+            yield where, None, f"unreadable rest of the JSON array ({cut}): {rest:,} bytes from record {n} on"
+            return
+        yield _checked(where, row)
+        n += 1
 
 
 def _checked(where: dict, row: Any) -> tuple[dict, dict | None, str | None]:

@@ -221,7 +221,10 @@ def load_target_tensors(
 def load_target_head(target: str, hf_config, revision: str | None = None) -> TargetHead:
     """TargetHead from the target's safetensors (final norm + lm_head only), at the pinned `revision`."""
     cfg = models.text_config(hf_config)
-    t = load_target_tensors(target, {"norm": ["model.norm.weight"], "lm_head": ["lm_head.weight"]}, revision)
+    head = ["lm_head.weight"]
+    if getattr(cfg, "tie_word_embeddings", False):  # tied (SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B): saved once
+        head += ["model.embed_tokens.weight", "embed_tokens.weight"]
+    t = load_target_tensors(target, {"norm": ["model.norm.weight"], "lm_head": head}, revision)
     return TargetHead(t["norm"], t["lm_head"], getattr(cfg, "rms_norm_eps", 1e-6))
 
 

@@ -274,6 +274,55 @@ def test_iter_rows_json_array_parquet_and_max_read(tmp_path):
         assert [(w["row"], r) for w, r, _ in got] == [(0, {"a": 0}), (1, {"a": 1}), (2, {"a": 2})]
 
 
+def test_a_json_array_cut_off_inside_a_record_gives_every_whole_record_and_counts_the_rest(tmp_path):
+    """ShareGPT V3's file in its wheel ends inside a record: the records before it are read, the rest is one
+    unreadable row naming its byte offset (counted by 01/02 like any rejected row), never a failed stage."""
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": "é" * i}]} for i in range(4)]
+    whole = json.dumps(rows, indent=2, ensure_ascii=False)
+    cut = whole[: whole.index('"c3"') + 6]  # inside the fourth record
+    (tmp_path / "cut.json").write_text(cut, encoding="utf-8")
+    got = list(
+        formats.iter_rows(formats.Source(name="d", path=str(tmp_path / "cut.json"), adapter="sharegpt"))
+    )
+    assert [r["id"] for _, r, e in got if e is None] == ["c0", "c1", "c2"]
+    ((where, row, err),) = [g for g in got if g[2] is not None]
+    assert where["row"] == 3 and row is None
+    rest = len(cut[cut.rindex("{", 0, cut.index('"c3"')) :].encode("utf-8"))
+    assert "the file is cut off" in err and f"{rest:,} bytes from record 3 on" in err
+    # broken JSON inside a closed array is named as such, not as a cut
+    broken = whole.replace('"c1"', "c1")
+    (tmp_path / "broken.json").write_text(broken, encoding="utf-8")
+    got = list(
+        formats.iter_rows(formats.Source(name="d", path=str(tmp_path / "broken.json"), adapter="sharegpt"))
+    )
+    assert [r["id"] for _, r, e in got if e is None] == ["c0"] and "invalid JSON" in got[-1][2]
+    # a whole array reads every record and nothing else
+    (tmp_path / "whole.json").write_text(whole, encoding="utf-8")
+    got = list(
+        formats.iter_rows(formats.Source(name="d", path=str(tmp_path / "whole.json"), adapter="sharegpt"))
+    )
+    assert [r["id"] for _, r, e in got] == ["c0", "c1", "c2", "c3"] and all(e is None for *_, e in got)
+
+
+def test_gzipped_jsonl_and_disjoint_slices_with_skip(tmp_path):
+    import gzip
+
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"a": i}) + "\n" for i in range(10))
+    path = str(tmp_path / "d.jsonl.gz")
+    assert not formats.is_hub_id(path)
+
+    def read(**kw):
+        return [
+            r["a"]
+            for _, r, _ in formats.iter_rows(formats.Source(name="d", path=path, adapter="openai", **kw))
+        ]
+
+    assert read() == list(range(10))
+    first, second = read(max_read=4), read(skip=4, max_read=3)
+    assert first == [0, 1, 2, 3] and second == [4, 5, 6] and read(skip=8) == [8, 9]
+
+
 def test_missing_local_file_and_hub_ids(tmp_path):
     with pytest.raises(FileNotFoundError, match="no_such.jsonl"):
         list(

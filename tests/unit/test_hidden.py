@@ -205,3 +205,34 @@ def test_hub_shard_downloads_are_at_the_pinned_revision(target, monkeypatch):
         emb, model.model.embed_tokens.weight
     )
     assert calls and all(r == ("org/model", r[1], pin) for r in calls), calls
+
+
+def test_a_target_with_tied_embeddings_gives_its_head_from_the_embedding(tmp_path):
+    """SmolLM2 (and Llama-3.2-1B, Qwen2.5-0.5B) tie lm_head to the input embedding: the checkpoint holds the
+    matrix once, as model.embed_tokens.weight. The head must be that matrix (the model's own logits), not a
+    KeyError; an untied checkpoint without lm_head.weight still fails, naming the tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "tied")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # what transformers writes for a tied model
+    head = hidden.load_target_head(str(tmp_path / "tied"), cfg)
+    ids = torch.tensor([[3, 17, 42, 5]])
+    got = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: got.update(x=o[0] if isinstance(o, tuple) else o)
+    )
+    with torch.no_grad():
+        out = model(ids)
+        hook.remove()
+        logits = head(got["x"])  # the last decoder layer's output (pre-norm) through the final norm + head
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    untied = LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": False})
+    with pytest.raises(KeyError, match="no tensor for lm_head"):
+        hidden.load_target_head(str(tmp_path / "tied"), untied)

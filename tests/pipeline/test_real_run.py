@@ -1,0 +1,102 @@
+"""A small slice of params/smollm2.yaml, end to end in the suite, so the real path cannot rot: SmolLM2-135M-Instruct
+from its PyPI GGUF (converted once into the cache), ShareGPT from its wheel, 03 through a vLLM CPU server the stage
+starts itself, 05 on vLLM's hidden states, 06 on held-out ShareGPT, MT-Bench (both turns) and HumanEval at T=0 and
+T=1, offline and served by vLLM with the drafter, and 07.
+
+The slice is the same params file with only sizes changed (`SLICE`): a handful of prompts, a few steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from eagle_lib import store
+from eagle_lib.pipeline import REPO_ROOT, run_pipeline
+
+REAL = REPO_ROOT / "params" / "smollm2.yaml"
+SLICE = {  # stage -> keys replaced in params/smollm2.yaml (datasets: per-dataset keys)
+    "shared": {"max_new_tokens": 48},
+    "01_prepare_A": {"max_seq_len": 512, "datasets": {"max_read": 40}},
+    "02_extract_B": {"max_seq_len": 512, "datasets": {"max_read": 60, "max_prompts": 10}},
+    "03_infer": {"concurrency": 10},
+    "05_train_eagle3": {"max_steps": 16, "draft_vocab_size": 1024, "pack_len": 512, "max_seq_len": 512,
+                        "warmup_steps": 2, "checkpoint_every": 16, "measure_every": 0, "max_eval_samples": 8},
+    "06_eval_acceptance": {"max_prompts_per_dataset": 2, "eval_max_new_tokens": 24, "max_prompt_tokens": 384,
+                           "sampled_max_prompts": 1, "online_max_prompts": 2, "online_temperatures": [0.0],
+                           "eval_sets": {"max_prompts": 2}},
+    "07_data_value": {"fractions": [0.5, 1.0], "max_prompts_per_dataset": 2, "eval_max_new_tokens": 16,
+                      "max_prompt_tokens": 384, "bootstrap_reps": 50, "noise_seeds": 0, "lodo": False,
+                      "regen_fraction": 1.0},
+}  # fmt: skip
+
+
+def slice_params(path: Path) -> Path:
+    """params/smollm2.yaml with SLICE's sizes, written to `path` (run_name real_ci)."""
+    run = yaml.safe_load(REAL.read_text())
+    out = copy.deepcopy(run)
+    out["run_name"] = "real_ci"
+    out["shared"].update(SLICE["shared"])
+    for stage, keys in SLICE.items():
+        if stage == "shared":
+            continue
+        sec = out["stages"].setdefault(stage, {})
+        for k, v in keys.items():
+            if k in ("datasets", "eval_sets"):
+                sec[k] = [{**d, **v} for d in sec[k]]
+            else:
+                sec[k] = v
+    path.write_text(yaml.safe_dump(out, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    params_file = slice_params(tmp_path_factory.mktemp("real") / "real_ci.yaml")
+    manifest = run_pipeline(params_file)
+    return Path(manifest["run_dir"])
+
+
+def _meta(run_dir: Path, *parts: str) -> dict:
+    return json.loads(run_dir.joinpath(*parts, "meta.json").read_text())
+
+
+@pytest.mark.server
+def test_the_slice_runs_the_real_model_from_its_gguf_through_vllm_03(real_run):
+    from eagle_lib import models
+    from eagle_lib.targets import gguf_target
+
+    src = gguf_target.source_of(models.resolve(yaml.safe_load(REAL.read_text())["shared"]["target"]))
+    assert src["architecture"] == "llama" and src["file"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    a = _meta(real_run, "data", "A", "sharegpt_orig")
+    assert a["read"] == 40 and a["kept"] > 20 and a["trainable_tokens"] > 5_000
+    infer = _meta(real_run, "infer")
+    assert infer["kept"] == 10 and infer["rejected"] == 0 and infer["probe"]["engine"] == "openai"
+    rec = next(store.iter_jsonl(real_run / "infer" / "sharegpt" / "responses.jsonl"))
+    assert rec["engine"] == "openai" and rec["n_output_tokens"] > 0 and rec["text"].strip()
+
+
+@pytest.mark.server
+def test_the_slice_measures_tau_on_mt_bench_and_humaneval_offline_and_served(real_run):
+    tau = pd.read_csv(real_run / "eval" / "tau.csv")
+    eagle = tau[tau["method"] == "eagle3"]
+    sets = set(eagle["dataset"])
+    assert {"mt_bench", "mt_bench_turn2", "humaneval", "sharegpt"} <= sets
+    assert set(eagle["temperature"]) == {0.0, 1.0}
+    for m in ("none", "ngram"):  # the baselines stand beside it
+        assert set(tau[tau["method"] == m]["dataset"]) >= {"mt_bench", "humaneval"}
+    ev = _meta(real_run, "eval")
+    assert (
+        ev["eval_sets"]["mt_bench"]["in_training"] == {} and ev["eval_sets"]["humaneval"]["in_training"] == {}
+    )
+    h = ev["headline"]
+    # vLLM serving the drafter beside SmolLM2: the target's greedy output on every prompt, tau = offline's
+    assert h["online_greedy_equal"] == 1.0, h.get("online_verdict")
+    assert h["online_verdict"]["verdict"] == "agree", h["online_verdict"]["message"]
+    v = _meta(real_run, "value")
+    assert v["headline"]
