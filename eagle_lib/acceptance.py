@@ -95,6 +95,7 @@ class Params(params.Strict):
     online_max_prompts: int = 8  # prompts per dataset sent online (the first of the offline ones)
     online_temperatures: list[float] = []  # temperatures measured online; empty = the same as temperatures
     online_concurrency: int = 4  # parallel requests
+    online_speed: bool = False  # vllm (local): serve the same requests without the drafter too, tokens/s of both
     online_timeout_s: float = 600.0  # per request
     online_tolerance: float = 0.2  # |online - offline| tau allowed before the report flags a disagreement
     online_api_key_env: str = (
@@ -298,22 +299,26 @@ def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list
     url = p.online_url.rstrip("/")
     if p.online_engine == "sglang" or url:
         raw = online.measure(p, shared.seed, url, p.online_model, prompts, eos)
-        return raw, live.live_checks(p, url, exports[p.online_format], raw)
+        return raw, live.live_checks(p, url, exports[p.online_format], raw), []
     from eagle_lib.engines.vllm_server import start_vllm
     from eagle_lib.serving import commands
 
     spec = commands.vllm_spec(str(exports[p.online_format]), p.num_steps, p.draft_sampling)
     max_len = min(max_pos, p.max_prompt_tokens + p.eval_max_new_tokens + 2 * p.num_steps + 8)
+    kw = dict(tokenizer=models.resolve(shared.tokenizer_path), max_model_len=max_len, log_dir=out / "vllm")
     with start_vllm(
         models.resolve(shared.target),
         extra_args=["--speculative-config", json.dumps(spec)],
-        tokenizer=models.resolve(shared.tokenizer_path),
-        max_model_len=max_len,
-        log_dir=out / "vllm",
         env={"VLLM_SERVER_DEV_MODE": "1"},  # exposes /server_info: the live preflight reads its spec config
+        **kw,
     ) as srv:
         raw = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos)
-        return raw, live.live_checks(p, srv.base_url, exports[p.online_format], raw)
+        checks = live.live_checks(p, srv.base_url, exports[p.online_format], raw)
+    if p.online_speed:  # the same requests on the same target without the drafter, one server at a time
+        with start_vllm(models.resolve(shared.target), **kw) as srv:
+            plain = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos)
+        return raw, checks, online.served_speed(raw, plain)
+    return raw, checks, []
 
 
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:
@@ -435,20 +440,27 @@ def run(cfg: params.StageConfig) -> Eval:
     for name, df in (("tau", tau), ("positions", pos), ("accepted_hist", hist), ("context", ctx),
                      ("cycle_start", starts)):  # fmt: skip
         df.to_csv(out / f"{name}.csv", index=False)
-    on, live = None, []
+    on, live, speed = None, [], []
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
-        raw, live = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos)
+        raw, live, speed = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos)
         on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
         on.to_csv(out / "online.csv", index=False)
         online.context_table(raw, p.online_engine).to_csv(out / "online_context.csv", index=False)
-        store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw})
+        pd.DataFrame(speed).to_csv(out / "served_speed.csv", index=False)
+        store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw, "speed": speed})
         store.write_json(out / "live_preflight.json", live)
     h = {
         **tbl.headline(tau, ctx, pf, on, p.num_steps, p.temperatures, starts),
         "cost_ratio": ratio,
         "live_preflight_ok": all(c["ok"] for c in live),
     }
+    if on is not None and speed:
+        h["served_tokens_per_s"] = {
+            f"T={r['temperature']:g}": {k: round(r[k], 3) for k in ("tokens_per_s", "tokens_per_s_no_draft", "speedup")}
+            for r in speed
+            if r["dataset"] == "all"
+        }
     h["answer"] = tbl.answer(tau, p.num_steps, tbl.lossless_count(gens), on, starts=starts)
     meta = {**tally, "eval_sets": set_tally, "params": p.model_dump(), "drafter_dir": str(drafter_dir),
             "shared": shared.model_dump(mode="json"), "stop_ids": eos, "headline": h, "exports": {k: str(v) for k, v in exports.items()},

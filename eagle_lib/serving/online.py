@@ -198,9 +198,12 @@ def online_vllm(
     for ds, ps in prompts.items():
         outputs, failed, parts = {}, [], {}
         sums, pos = {"drafts": 0.0, "accepted": 0.0, "draft_tokens": 0.0}, [0.0] * num_steps
+        wall, tokens = 0.0, 0
         for label, group in by_bucket(ps, buckets):  # one counter delta per prompt-length bucket
             before = metrics_counters(base_url, headers)
+            t0 = time.monotonic()
             done, answers, bad = _split(group, _map(one, group, concurrency))
+            wall, tokens = wall + time.monotonic() - t0, tokens + sum(n for _, n in answers)
             after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
             res = counter_delta(before, after, num_steps)
             outputs |= {pr.id: ids for pr, (ids, _) in zip(done, answers, strict=True)}
@@ -217,8 +220,27 @@ def online_vllm(
             if n
             else (float("nan"), [float("nan")] * num_steps)
         )
-        out[ds] = {"tau": tau, **sums, "acc": acc, "outputs": outputs, "failed": failed, "by_bucket": parts}
+        out[ds] = {"tau": tau, **sums, "acc": acc, "outputs": outputs, "failed": failed, "by_bucket": parts,
+                   "seconds": wall, "completion_tokens": tokens}  # fmt: skip
     return out
+
+
+def served_speed(raw: dict[float, dict[str, dict]], plain: dict[float, dict[str, dict]]) -> list[dict]:
+    """Wall-clock tokens/s of the same requests served with the drafter (`raw`) and without it (`plain`), per
+    temperature and dataset and pooled ('all'): completion tokens / seconds the requests took, at 06's
+    online_concurrency, on one server at a time."""
+    rows = []
+    for temp, per in sorted(raw.items()):
+        base = plain.get(temp, {})
+        for ds in [*per, "all"]:
+            with_, without = ([per[ds]], [base.get(ds)]) if ds != "all" else (list(per.values()), list(base.values()))
+            if not without or any(o is None or not o.get("seconds") for o in with_ + without):
+                continue
+            tps = sum(o["completion_tokens"] for o in with_) / sum(o["seconds"] for o in with_)
+            tps0 = sum(o["completion_tokens"] for o in without) / sum(o["seconds"] for o in without)
+            rows.append(dict(temperature=temp, dataset=ds, tokens_per_s=tps, tokens_per_s_no_draft=tps0,
+                             speedup=tps / tps0))  # fmt: skip
+    return rows
 
 
 def online_sglang(

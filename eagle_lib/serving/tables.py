@@ -374,6 +374,14 @@ def preflight_table(ev) -> pd.DataFrame:
     return pd.DataFrame(rows)[cols] if rows else pd.DataFrame([{"checks": n, "result": "all passed"}])
 
 
+def served_speed_table(ev) -> pd.DataFrame:
+    """Wall-clock tokens/s of the same requests served with and without the drafter (06 `online_speed`)."""
+    f = ev.out_dir / "served_speed.csv"
+    if not f.exists() or f.stat().st_size < 2:
+        return pd.DataFrame([{"served speed": "not measured (online_speed: false, or a server 06 did not start)"}])
+    return pd.read_csv(f).round(3)
+
+
 def online_table(ev) -> pd.DataFrame:
     """The server's tau beside the offline one per temperature and dataset (causes are in online.csv)."""
     if ev.online is None:

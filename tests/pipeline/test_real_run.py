@@ -28,10 +28,10 @@ SLICE = {  # stage -> keys replaced in params/smollm2.yaml (datasets: per-datase
     "05_train_eagle3": {"max_steps": 16, "draft_vocab_size": 1024, "pack_len": 512, "max_seq_len": 512,
                         "warmup_steps": 2, "checkpoint_every": 16, "measure_every": 0, "max_eval_samples": 8},
     "06_eval_acceptance": {"max_prompts_per_dataset": 2, "eval_max_new_tokens": 24, "max_prompt_tokens": 384,
-                           "sampled_max_prompts": 1, "online_max_prompts": 2, "online_temperatures": [0.0],
+                           "sampled_max_prompts": 1, "online_max_prompts": 2, "online_temperatures": [0.0], "online_speed": False,
                            "eval_sets": {"max_prompts": 2}},
     "07_data_value": {"fractions": [0.5, 1.0], "max_prompts_per_dataset": 2, "eval_max_new_tokens": 16,
-                      "max_prompt_tokens": 384, "bootstrap_reps": 50, "noise_seeds": 0, "lodo": False,
+                      "max_prompt_tokens": 384, "bootstrap_reps": 50, "noise_seeds": 0, "noise_fractions": None,
                       "regen_fraction": 1.0},
 }  # fmt: skip
 

@@ -258,3 +258,20 @@ def test_05s_answer_and_headline_state_the_served_acceptance_and_where_the_targe
     )
     assert "0.52 where the target's top-1 is under 0.3 (25% of the labels)" in text
     assert figures.headline(summary)["heldout_served_acceptance"] == {"T=1": [0.84, 0.85, 0.8]}
+
+
+def test_the_nucleus_from_top_k_tiers_equals_a_full_sort_on_peaked_and_flat_rows():
+    """served.nucleus cuts most rows from a top-k and sorts only the rest; the set must be the full sort's."""
+    from eagle_lib.drafter import served
+
+    torch.manual_seed(3)
+    V = 5000
+    rows = torch.cat([torch.randn(40, V) * s for s in (12.0, 4.0, 1.0, 0.05)])  # nucleus of ~1 to ~4,700 tokens
+    p = rows.double().softmax(-1)
+    for top_p in (0.5, 0.9, 0.95, 0.999):
+        sp, order = p.sort(-1, descending=True)
+        want = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (sp.cumsum(-1) - sp) < top_p)
+        got = served.nucleus(p, top_p, k=16)
+        assert torch.equal(got, want), top_p
+        sizes = got.sum(-1)
+        assert sizes.min() < 16 < 16 * 16 < sizes.max()  # every tier was used
