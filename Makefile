@@ -51,7 +51,7 @@ run: env toy
 
 # The real recipe: SmolLM2-135M-Instruct (GGUF from PyPI) through 01-07 on ShareGPT, served by vLLM (params/smollm2.yaml).
 real: env vllm-env real-parts
-	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),)
+	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),) $(if $(SEED),--seed $(SEED),)
 
 test: env vllm-env sglang-env router-env real-parts
 	@$(PY) -m eagle_lib.engines.machine

@@ -30,7 +30,9 @@ def run_engine(run: params.RunParams, src: Path, engine: str, n: int, threads: i
     )
     shared = run.shared.model_copy(update={"num_workers": threads})
     meta = infer.run(params.StageConfig("03_infer", work, shared, stage))
-    outs = {r["id"]: r["output_ids"] for f in work.glob("infer/*/responses.jsonl") for r in store.iter_jsonl(f)}
+    outs = {
+        r["id"]: r["output_ids"] for f in work.glob("infer/*/responses.jsonl") for r in store.iter_jsonl(f)
+    }
     shutil.rmtree(work, ignore_errors=True)
     return meta, outs
 
@@ -47,7 +49,9 @@ def main() -> None:
     (m_e, o_e), (m_v, o_v) = res["embedded"], res["vllm"]
     same = sum(o_e[k] == o_v.get(k) for k in o_e)
     tokens = {e: m["generated_tokens"] for e, (m, _) in res.items()}
-    print(f"{a.params}: {len(o_e)} prompts, max_new_tokens {run.shared.max_new_tokens}, {a.threads} thread(s)")
+    print(
+        f"{a.params}: {len(o_e)} prompts, max_new_tokens {run.shared.max_new_tokens}, {a.threads} thread(s)"
+    )
     for e, (m, _) in res.items():
         print(f"  {e:<9} {m['tokens_per_s']:8.1f} tokens/s generating   {m['seconds']:7.1f} s wall   "
               f"{tokens[e]:,} tokens")  # fmt: skip

@@ -95,7 +95,9 @@ class Params(params.Strict):
     online_max_prompts: int = 8  # prompts per dataset sent online (the first of the offline ones)
     online_temperatures: list[float] = []  # temperatures measured online; empty = the same as temperatures
     online_concurrency: int = 4  # parallel requests
-    online_speed: bool = False  # vllm (local): serve the same requests without the drafter too, tokens/s of both
+    online_speed: bool = (
+        False  # vllm (local): serve the same requests without the drafter too, tokens/s of both
+    )
     online_timeout_s: float = 600.0  # per request
     online_tolerance: float = 0.2  # |online - offline| tau allowed before the report flags a disagreement
     online_api_key_env: str = (
@@ -443,12 +445,16 @@ def run(cfg: params.StageConfig) -> Eval:
     on, live, speed = None, [], []
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
-        raw, live, speed = _online(p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos)
+        raw, live, speed = _online(
+            p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos
+        )
         on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
         on.to_csv(out / "online.csv", index=False)
         online.context_table(raw, p.online_engine).to_csv(out / "online_context.csv", index=False)
         pd.DataFrame(speed).to_csv(out / "served_speed.csv", index=False)
-        store.write_json(out / "online.json", {"engine": p.online_engine, "by_temperature": raw, "speed": speed})
+        store.write_json(
+            out / "online.json", {"engine": p.online_engine, "by_temperature": raw, "speed": speed}
+        )
         store.write_json(out / "live_preflight.json", live)
     h = {
         **tbl.headline(tau, ctx, pf, on, p.num_steps, p.temperatures, starts),
@@ -457,7 +463,9 @@ def run(cfg: params.StageConfig) -> Eval:
     }
     if on is not None and speed:
         h["served_tokens_per_s"] = {
-            f"T={r['temperature']:g}": {k: round(r[k], 3) for k in ("tokens_per_s", "tokens_per_s_no_draft", "speedup")}
+            f"T={r['temperature']:g}": {
+                k: round(r[k], 3) for k in ("tokens_per_s", "tokens_per_s_no_draft", "speedup")
+            }
             for r in speed
             if r["dataset"] == "all"
         }

@@ -334,12 +334,18 @@ def run_pipeline(
     registry: dict[str, StageSpec] | None = None,
     root: Path = REPO_ROOT,
     log=print,
+    seed: int | None = None,
 ) -> dict:
-    """Validate the params file, then run the selected stages that have a notebook; returns the manifest."""
+    """Validate the params file, then run the selected stages that have a notebook; returns the manifest.
+    `seed` replaces shared.seed (the held-out split, 02's sample, 05's init and order) and, unless `run_name`
+    is given, names the run ``<run_name>_s<seed>``."""
     registry = registry or dict(STAGES)
     run = load_params(params_path, registry)
     if problem := unpinned_remote_code(run.shared):  # before any stage runs the hub's code
         raise ParamsError(f"{params_path}: {problem}")
+    if seed is not None:
+        run = run.model_copy(update={"shared": run.shared.model_copy(update={"seed": seed}),
+                                     "run_name": run_name or f"{run.run_name}_s{seed}"})  # fmt: skip
     if run_name:
         run = run.model_copy(update={"run_name": run_name})
     if run.shared.target.startswith("toy://"):  # build an embedded world here, not inside the first report
@@ -388,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("params", help="params/<name>.yaml")
     r.add_argument("--stages", default=None, help="e.g. 01-06, 03, 01,03, 04- (default: all)")
     r.add_argument("--run-name", default=None, help="override run_name (outputs/<run-name>/)")
+    r.add_argument(
+        "--seed", type=int, default=None, help="override shared.seed (run name <run_name>_s<seed>)"
+    )
     r.add_argument("--force", action="store_true", help="re-run stages even if complete and unchanged")
     v = sub.add_parser("validate", help="validate params files and exit")
     v.add_argument("params", nargs="+")
@@ -405,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.budget:  # loads torch (the drafter's shapes): only when asked
                     print(budget_text(run, args.target_config))
             return 0
-        manifest = run_pipeline(args.params, args.stages, args.run_name, args.force)
+        manifest = run_pipeline(args.params, args.stages, args.run_name, args.force, seed=args.seed)
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -233,7 +233,9 @@ def served_speed(raw: dict[float, dict[str, dict]], plain: dict[float, dict[str,
     for temp, per in sorted(raw.items()):
         base = plain.get(temp, {})
         for ds in [*per, "all"]:
-            with_, without = ([per[ds]], [base.get(ds)]) if ds != "all" else (list(per.values()), list(base.values()))
+            with_, without = (
+                ([per[ds]], [base.get(ds)]) if ds != "all" else (list(per.values()), list(base.values()))
+            )
             if not without or any(o is None or not o.get("seconds") for o in with_ + without):
                 continue
             tps = sum(o["completion_tokens"] for o in with_) / sum(o["seconds"] for o in with_)

@@ -378,7 +378,9 @@ def served_speed_table(ev) -> pd.DataFrame:
     """Wall-clock tokens/s of the same requests served with and without the drafter (06 `online_speed`)."""
     f = ev.out_dir / "served_speed.csv"
     if not f.exists() or f.stat().st_size < 2:
-        return pd.DataFrame([{"served speed": "not measured (online_speed: false, or a server 06 did not start)"}])
+        return pd.DataFrame(
+            [{"served speed": "not measured (online_speed: false, or a server 06 did not start)"}]
+        )
     return pd.read_csv(f).round(3)
 
 

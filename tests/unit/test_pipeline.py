@@ -133,3 +133,14 @@ def test_a_toy_target_is_built_by_the_runner_before_any_report(repo, monkeypatch
     p.write_text("run_name: t\nshared: {target: toy://target}\nstages:\n  01_fake: {n: 1}\n")
     go(repo, p, stages="1")
     assert calls == ["toy://target"]
+
+
+def test_a_seed_override_names_the_run_and_reaches_every_stage(repo):
+    """`pipeline run --seed N` (`make real SEED=N`): shared.seed = N in every stage, outputs/<run_name>_sN."""
+    m = go(repo, params(repo), seed=2)
+    assert Path(m["run_dir"]).name == "t_s2" and (repo / "outputs/t_s2/01_fake/lines.txt").exists()
+    for s in REGISTRY:
+        nb = json.loads((repo / "outputs/t_s2/reports" / f"{s}.ipynb").read_text())
+        injected = next(c for c in nb["cells"] if "injected-parameters" in c["metadata"].get("tags", []))
+        assert "seed = 2\n" in "".join(injected["source"])
+    assert not (repo / "outputs/t").exists()

@@ -266,7 +266,9 @@ def test_the_nucleus_from_top_k_tiers_equals_a_full_sort_on_peaked_and_flat_rows
 
     torch.manual_seed(3)
     V = 5000
-    rows = torch.cat([torch.randn(40, V) * s for s in (12.0, 4.0, 1.0, 0.05)])  # nucleus of ~1 to ~4,700 tokens
+    rows = torch.cat(
+        [torch.randn(40, V) * s for s in (12.0, 4.0, 1.0, 0.05)]
+    )  # nucleus of ~1 to ~4,700 tokens
     p = rows.double().softmax(-1)
     for top_p in (0.5, 0.9, 0.95, 0.999):
         sp, order = p.sort(-1, descending=True)

@@ -824,12 +824,20 @@ def test_06_reports_first_draft_acceptance_by_cycle_start_by_hand():
 def test_served_speed_is_completion_tokens_over_wall_seconds_with_and_without_the_drafter():
     """06's `online_speed`: tokens/s per temperature and dataset from the requests' own completion tokens and
     wall seconds, pooled over datasets by summing tokens and seconds (not by averaging rates)."""
-    spec = {0.0: {"a": {"completion_tokens": 120, "seconds": 2.0}, "b": {"completion_tokens": 60, "seconds": 4.0}}}
-    plain = {0.0: {"a": {"completion_tokens": 120, "seconds": 3.0}, "b": {"completion_tokens": 60, "seconds": 3.0}}}
+    spec = {
+        0.0: {"a": {"completion_tokens": 120, "seconds": 2.0}, "b": {"completion_tokens": 60, "seconds": 4.0}}
+    }
+    plain = {
+        0.0: {"a": {"completion_tokens": 120, "seconds": 3.0}, "b": {"completion_tokens": 60, "seconds": 3.0}}
+    }
     rows = {r["dataset"]: r for r in online.served_speed(spec, plain)}
-    assert rows["a"]["tokens_per_s"] == pytest.approx(60.0) and rows["a"]["tokens_per_s_no_draft"] == pytest.approx(40.0)
+    assert rows["a"]["tokens_per_s"] == pytest.approx(60.0) and rows["a"][
+        "tokens_per_s_no_draft"
+    ] == pytest.approx(40.0)
     assert rows["a"]["speedup"] == pytest.approx(1.5) and rows["b"]["speedup"] == pytest.approx(15 / 20)
-    assert rows["all"]["tokens_per_s"] == pytest.approx(180 / 6) and rows["all"]["speedup"] == pytest.approx(1.0)
+    assert rows["all"]["tokens_per_s"] == pytest.approx(180 / 6) and rows["all"]["speedup"] == pytest.approx(
+        1.0
+    )
     assert online.served_speed(spec, {}) == []  # nothing served without the drafter: no row
 
 
