@@ -843,6 +843,6 @@ def test_served_speed_is_completion_tokens_over_wall_seconds_with_and_without_th
 
 def test_online_vllm_counts_each_datasets_completion_tokens_and_wall_seconds(server):
     res = online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8)
-    for ds, ps in ONLINE_PROMPTS.items():
+    for ds in ONLINE_PROMPTS:
         assert res[ds]["completion_tokens"] == sum(len(ids) for ids in res[ds]["outputs"].values())
         assert 0 < res[ds]["seconds"] < 30
