@@ -191,7 +191,7 @@ def local_server(cfg: params.StageConfig, names: list[str]):
     max_len = p.vllm_max_model_len or longest + cfg.shared.max_new_tokens + 8
     threads = machine.cpu_threads(p.vllm_threads)
     with start_vllm(models.resolve(cfg.shared.target), tokenizer=models.resolve(cfg.shared.tokenizer_path),
-                    max_model_len=max_len, log_dir=cfg.out("infer", "vllm"),
+                    max_model_len=max_len, log_dir=cfg.out("infer"),  # a file: infer/<dir> is a dataset
                     env={"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as srv:  # fmt: skip
         yield [srv.base_url]
 

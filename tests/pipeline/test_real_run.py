@@ -79,6 +79,8 @@ def test_the_slice_runs_the_real_model_from_its_gguf_through_vllm_03(real_run):
     assert infer["kept"] == 10 and infer["rejected"] == 0 and infer["probe"]["engine"] == "openai"
     rec = next(store.iter_jsonl(real_run / "infer" / "sharegpt" / "responses.jsonl"))
     assert rec["engine"] == "openai" and rec["n_output_tokens"] > 0 and rec["text"].strip()
+    assert list((real_run / "infer").glob("vllm-*.log"))  # the server's log, a file: a folder is a dataset
+    assert set(_meta(real_run, "analysis")["inputs"]) == {"A/sharegpt_orig", "B/sharegpt"}
 
 
 @pytest.mark.server

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from eagle_lib import params
+from eagle_lib.pipeline import REPO_ROOT
 from eagle_lib.data import evalsets, formats
 from eagle_lib.targets import packaged
 from tests.support import tiny
@@ -26,7 +27,7 @@ def parts_installed():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return params.load_params("params/smollm2.yaml")
+    return params.load_params(REPO_ROOT / "params" / "smollm2.yaml")
 
 
 def test_sharegpt_from_its_wheel_reads_every_whole_conversation_and_counts_the_cut_tail():

@@ -846,3 +846,24 @@ def test_online_vllm_counts_each_datasets_completion_tokens_and_wall_seconds(ser
     for ds in ONLINE_PROMPTS:
         assert res[ds]["completion_tokens"] == sum(len(ids) for ids in res[ds]["outputs"].values())
         assert 0 < res[ds]["seconds"] < 30
+
+
+def test_the_cached_oracle_drafts_what_a_full_recompute_drafts(target):
+    """The oracle keeps a KV cache over the accepted tokens; its drafts at every step equal the argmax chain
+    recomputed from scratch over the whole sequence (the old, uncached oracle), after accepted steps too."""
+
+    def recompute(seq, k):
+        ids = list(seq)
+        with torch.no_grad():
+            for _ in range(k):
+                ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(seq) :]
+
+    o = OracleProposer(target)
+    seq = list(PROMPTS[2])
+    o.start(seq, None)
+    for accepted in ([1], [7, 8], [3, 4, 5, 6], [9]):  # any tokens: the oracle follows whatever is accepted
+        assert o.propose(3) == recompute(seq, 3)
+        o.advance(accepted, None)
+        seq += accepted
+    assert o.cache.get_seq_length() < len(seq)  # the drafts never stay in its cache
