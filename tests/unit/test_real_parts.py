@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from eagle_lib import params
-from eagle_lib.pipeline import REPO_ROOT
 from eagle_lib.data import evalsets, formats
+from eagle_lib.pipeline import REPO_ROOT
 from eagle_lib.targets import packaged
 from tests.support import tiny
 
