@@ -318,7 +318,7 @@ def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list
         checks = live.live_checks(p, srv.base_url, exports[p.online_format], raw)
     if p.online_speed:  # the same requests on the same target without the drafter, one server at a time
         with start_vllm(models.resolve(shared.target), **kw) as srv:
-            plain = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos)
+            plain = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos, spec=False)
         return raw, checks, online.served_speed(raw, plain)
     return raw, checks, []
 

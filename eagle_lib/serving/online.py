@@ -174,9 +174,11 @@ def online_vllm(
     headers: dict | None = None,
     stop_ids: list[int] | None = None,
     buckets: list[int] | None = None,
+    spec: bool = True,
 ) -> dict[str, dict]:
     """Per dataset (and per prompt-length bucket of `buckets`, ``by_bucket``): completions from a vLLM server, tau = 1 + accepted / drafts from /metrics deltas;
-    `headers` go with every request (the API key: `auth_headers`), `stop_ids` as its stop_token_ids."""
+    `headers` go with every request (the API key: `auth_headers`), `stop_ids` as its stop_token_ids. `spec`
+    False: a server without a drafter (06's `online_speed` baseline): outputs, tokens and seconds only."""
     model = model or client.get_json(base_url + "/v1/models", headers=headers)["data"][0]["id"]
 
     def one(pr: Prompt) -> tuple[list[int], int]:
@@ -200,12 +202,17 @@ def online_vllm(
         sums, pos = {"drafts": 0.0, "accepted": 0.0, "draft_tokens": 0.0}, [0.0] * num_steps
         wall, tokens = 0.0, 0
         for label, group in by_bucket(ps, buckets):  # one counter delta per prompt-length bucket
-            before = metrics_counters(base_url, headers)
+            before = metrics_counters(base_url, headers) if spec else {}
             t0 = time.monotonic()
             done, answers, bad = _split(group, _map(one, group, concurrency))
             wall, tokens = wall + time.monotonic() - t0, tokens + sum(n for _, n in answers)
-            after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
-            res = counter_delta(before, after, num_steps)
+            if spec:
+                after = settled_counters(base_url, before, sum(n for _, n in answers), headers=headers)
+                res = counter_delta(before, after, num_steps)
+            else:
+                res = dict(
+                    tau=float("nan"), drafts=0.0, accepted=0.0, draft_tokens=0.0, acc=[0.0] * num_steps
+                )
             outputs |= {pr.id: ids for pr, (ids, _) in zip(done, answers, strict=True)}
             failed += bad
             parts[label] = {k: res[k] for k in ("tau", "drafts", "accepted")} | {"prompts": len(done)}
@@ -344,10 +351,16 @@ def auth_headers(api_key_env: str) -> dict:
 
 
 def measure(
-    p, seed: int, url: str, model: str, prompts: dict[str, list[Prompt]], stop_ids: list[int] | None = None
+    p,
+    seed: int,
+    url: str,
+    model: str,
+    prompts: dict[str, list[Prompt]],
+    stop_ids: list[int] | None = None,
+    spec: bool = True,
 ) -> dict[float, dict]:
     """{temperature: results per dataset} for every online temperature of 06's params ``p``; requests stop at
-    `stop_ids` (06's offline ones)."""
+    `stop_ids` (06's offline ones). `spec` False: a vLLM server without a drafter (no spec-decode counters)."""
     if not p.online_temps or (max(p.online_temps) > 0 and not p.top_p):
         raise ValueError("online.measure: 06's params leave temperatures / top_p to the shared serving settings; "
                          "pass Params.served(shared)")  # fmt: skip
@@ -359,7 +372,7 @@ def measure(
         if p.online_engine == "sglang":
             raw[temp] = online_sglang(url, prompts, p.eval_max_new_tokens, **kw)
         else:
-            raw[temp] = online_vllm(url, model, prompts, p.eval_max_new_tokens, p.num_steps, **kw)
+            raw[temp] = online_vllm(url, model, prompts, p.eval_max_new_tokens, p.num_steps, spec=spec, **kw)
     return raw
 
 

@@ -28,7 +28,7 @@ SLICE = {  # stage -> keys replaced in params/smollm2.yaml (datasets: per-datase
     "05_train_eagle3": {"max_steps": 16, "draft_vocab_size": 1024, "pack_len": 512, "max_seq_len": 512,
                         "warmup_steps": 2, "checkpoint_every": 16, "measure_every": 0, "max_eval_samples": 8},
     "06_eval_acceptance": {"max_prompts_per_dataset": 2, "eval_max_new_tokens": 24, "max_prompt_tokens": 384,
-                           "sampled_max_prompts": 1, "online_max_prompts": 2, "online_temperatures": [0.0], "online_speed": False,
+                           "sampled_max_prompts": 1, "online_max_prompts": 2, "online_temperatures": [0.0],
                            "eval_sets": {"max_prompts": 2}},
     "07_data_value": {"fractions": [0.5, 1.0], "max_prompts_per_dataset": 2, "eval_max_new_tokens": 16,
                       "max_prompt_tokens": 384, "bootstrap_reps": 50, "noise_seeds": 0, "noise_fractions": None,
@@ -100,5 +100,9 @@ def test_the_slice_measures_tau_on_mt_bench_and_humaneval_offline_and_served(rea
     # vLLM serving the drafter beside SmolLM2: the target's greedy output on every prompt, tau = offline's
     assert h["online_greedy_equal"] == 1.0, h.get("online_verdict")
     assert h["online_verdict"]["verdict"] == "agree", h["online_verdict"]["message"]
+    # the same requests served without the drafter (online_speed): wall-clock tokens/s of both, the same output
+    speed = h["served_tokens_per_s"]["T=0"]
+    assert speed["tokens_per_s"] > 0 and speed["tokens_per_s_no_draft"] > 0
+    assert speed["speedup"] == pytest.approx(speed["tokens_per_s"] / speed["tokens_per_s_no_draft"], rel=1e-2)
     v = _meta(real_run, "value")
     assert v["headline"]

@@ -867,3 +867,14 @@ def test_the_cached_oracle_drafts_what_a_full_recompute_drafts(target):
         o.advance(accepted, None)
         seq += accepted
     assert o.cache.get_seq_length() < len(seq)  # the drafts never stay in its cache
+
+
+def test_a_server_without_a_drafter_is_measured_without_spec_counters(server, monkeypatch):
+    """06's online_speed baseline: a vLLM server with no drafter exposes no spec-decode counters (06 failed
+    reading them on the real run); with spec=False /metrics is never read and tokens and seconds still count."""
+    reads = []
+    monkeypatch.setattr(online, "metrics_counters", lambda *a, **k: reads.append(a) or {})
+    res = online.online_vllm(server, "", ONLINE_PROMPTS, max_new_tokens=8, spec=False)
+    assert not reads
+    for ds in ONLINE_PROMPTS:
+        assert math.isnan(res[ds]["tau"]) and res[ds]["completion_tokens"] > 0 and res[ds]["seconds"] > 0
