@@ -176,6 +176,9 @@ class OracleProposer:
         self.device = next(model.parameters()).device
         self.seq: list[int] = []
         self.cache = None
+        self._cache_kw = (  # as TargetRunner: the cache argument's name in this transformers version
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
 
     def start(self, seq: list[int], feats) -> None:
         from transformers import DynamicCache
@@ -186,8 +189,8 @@ class OracleProposer:
     def propose(self, k: int) -> list[int]:
         x, out = self.seq[self.cache.get_seq_length() :], []
         for _ in range(k):
-            logits = self.model(input_ids=torch.tensor([x], device=self.device), past_key_values=self.cache,
-                                use_cache=True).logits  # fmt: skip
+            kw = {self._cache_kw: self.cache}
+            logits = self.model(input_ids=torch.tensor([x], device=self.device), use_cache=True, **kw).logits
             out.append(int(logits[0, -1].argmax()))
             x = out[-1:]
         _crop(self.cache, len(self.seq))  # the drafts were read only to draft the next one
