@@ -179,29 +179,6 @@ def eval_set_prompts(p: Params, tokenizer) -> tuple[dict[str, list[Prompt]], dic
     return out, tallies, multi
 
 
-def check_contamination(run_dir: Path, tallies: dict, tokenizer, max_share: float = 0.5) -> None:
-    """No eval prompt may be in the run's training data (A records, B prompts, 03's answers): per set the
-    prompts sharing a 13-word passage with it are counted in its tally (`in_training`, `evalsets.overlap`); one
-    whose passages are mostly there (>= max_share) stops the stage, naming set, prompt and share."""
-    texts = {}
-    for name, t in tallies.items():
-        for r in t.pop("rows", []):
-            texts[(name, r["id"])] = r["message"]
-            texts |= {(name, f"{r['id']}#t{k}"): turn for k, turn in enumerate(r.get("later_turns", []), 2)}
-    if not texts:
-        return
-    shares = evalsets.overlap(texts, evalsets.training_texts(run_dir, tokenizer))
-    for name, t in tallies.items():
-        t["in_training"] = {rid: round(v, 3) for (n, rid), v in shares.items() if n == name and v > 0}
-    bad = [(n, rid, v) for (n, rid), v in shares.items() if v >= max_share]
-    if bad:
-        raise ValueError(
-            f"06: {len(bad)} eval prompt(s) are in this run's training data ({run_dir / 'data'}, infer/): "
-            + "; ".join(f"{n} {rid} ({v:.0%} of its 13-word passages)" for n, rid, v in bad[:5])
-            + " - drop those rows from the training sources, or measure on another set"
-        )
-
-
 def later_turn_prompts(multi: list[dict], tokenizer, target, p: Params, eos: list[int]):
     """Prompts of the later turns (`evalsets.followups`), each after the target's greedy answers to the turns
     before it (eval_max_new_tokens long, as 06 decodes); and their tally."""
@@ -319,7 +296,9 @@ def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list
     if p.online_speed:  # the same requests on the same target without the drafter, one server at a time
         with start_vllm(models.resolve(shared.target), **kw) as srv:
             plain = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos, spec=False)
-        return raw, checks, online.served_speed(raw, plain)
+        from eagle_lib.serving import tables
+
+        return raw, checks, tables.served_speed(raw, plain)
     return raw, checks, []
 
 
@@ -410,7 +389,7 @@ def run(cfg: params.StageConfig) -> Eval:
     prompts, tally = heldout_prompts(cfg.run_dir, shared.heldout_percent, p)
     tok = models.load_tokenizer(shared)
     extra, set_tally, multi = eval_set_prompts(p, tok)
-    check_contamination(cfg.run_dir, set_tally, tok)
+    evalsets.refuse_contaminated(cfg.run_dir, set_tally, tok)
     if not prompts and not extra:
         raise ValueError(
             f"{cfg.run_dir / 'data'}: no held-out prompts (heldout_percent={shared.heldout_percent}) and no "

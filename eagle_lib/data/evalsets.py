@@ -242,6 +242,29 @@ def training_texts(run_dir: str | Path, tokenizer, batch: int = 256):
                 yield from tokenizer.batch_decode(ids[i : i + batch], skip_special_tokens=True)
 
 
+def refuse_contaminated(run_dir: Path, tallies: dict, tokenizer, max_share: float = 0.5) -> None:
+    """No eval prompt may be in the run's training data (A records, B prompts, 03's answers): per set the
+    prompts sharing a 13-word passage with it are counted in its tally (`in_training`, `evalsets.overlap`); one
+    whose passages are mostly there (>= max_share) stops the stage, naming set, prompt and share."""
+    texts = {}
+    for name, t in tallies.items():
+        for r in t.pop("rows", []):
+            texts[(name, r["id"])] = r["message"]
+            texts |= {(name, f"{r['id']}#t{k}"): turn for k, turn in enumerate(r.get("later_turns", []), 2)}
+    if not texts:
+        return
+    shares = overlap(texts, training_texts(run_dir, tokenizer))
+    for name, t in tallies.items():
+        t["in_training"] = {rid: round(v, 3) for (n, rid), v in shares.items() if n == name and v > 0}
+    bad = [(n, rid, v) for (n, rid), v in shares.items() if v >= max_share]
+    if bad:
+        raise ValueError(
+            f"06: {len(bad)} eval prompt(s) are in this run's training data ({run_dir / 'data'}, infer/): "
+            + "; ".join(f"{n} {rid} ({v:.0%} of its 13-word passages)" for n, rid, v in bad[:5])
+            + " - drop those rows from the training sources, or measure on another set"
+        )
+
+
 # --- the run's own held-out prompts (06 and 07 decode the same ones) ---------------------------------------
 def a_prompt_ids(rec: dict, mode: str) -> list[int] | None:
     """Prompt of an A record: tokens before the first / the last run of loss-masked tokens (None if none)."""

@@ -374,6 +374,26 @@ def preflight_table(ev) -> pd.DataFrame:
     return pd.DataFrame(rows)[cols] if rows else pd.DataFrame([{"checks": n, "result": "all passed"}])
 
 
+def served_speed(raw: dict[float, dict[str, dict]], plain: dict[float, dict[str, dict]]) -> list[dict]:
+    """Wall-clock tokens/s of the same requests served with the drafter (`raw`) and without it (`plain`), per
+    temperature and dataset and pooled ('all'): completion tokens / seconds the requests took, at 06's
+    online_concurrency, on one server at a time."""
+    rows = []
+    for temp, per in sorted(raw.items()):
+        base = plain.get(temp, {})
+        for ds in [*per, "all"]:
+            with_, without = (
+                ([per[ds]], [base.get(ds)]) if ds != "all" else (list(per.values()), list(base.values()))
+            )
+            if not without or any(o is None or not o.get("seconds") for o in with_ + without):
+                continue
+            tps = sum(o["completion_tokens"] for o in with_) / sum(o["seconds"] for o in with_)
+            tps0 = sum(o["completion_tokens"] for o in without) / sum(o["seconds"] for o in without)
+            rows.append(dict(temperature=temp, dataset=ds, tokens_per_s=tps, tokens_per_s_no_draft=tps0,
+                             speedup=tps / tps0))  # fmt: skip
+    return rows
+
+
 def served_speed_table(ev) -> pd.DataFrame:
     """Wall-clock tokens/s of the same requests served with and without the drafter (06 `online_speed`)."""
     f = ev.out_dir / "served_speed.csv"

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.serving import online, specdec
+from eagle_lib.serving import online, specdec, tables
 from eagle_lib.serving import tables as tables_mod
 from eagle_lib.serving.sampling import Sampler
 from eagle_lib.serving.specdec import (
@@ -830,7 +830,7 @@ def test_served_speed_is_completion_tokens_over_wall_seconds_with_and_without_th
     plain = {
         0.0: {"a": {"completion_tokens": 120, "seconds": 3.0}, "b": {"completion_tokens": 60, "seconds": 3.0}}
     }
-    rows = {r["dataset"]: r for r in online.served_speed(spec, plain)}
+    rows = {r["dataset"]: r for r in tables.served_speed(spec, plain)}
     assert rows["a"]["tokens_per_s"] == pytest.approx(60.0) and rows["a"][
         "tokens_per_s_no_draft"
     ] == pytest.approx(40.0)
@@ -838,7 +838,7 @@ def test_served_speed_is_completion_tokens_over_wall_seconds_with_and_without_th
     assert rows["all"]["tokens_per_s"] == pytest.approx(180 / 6) and rows["all"]["speedup"] == pytest.approx(
         1.0
     )
-    assert online.served_speed(spec, {}) == []  # nothing served without the drafter: no row
+    assert tables.served_speed(spec, {}) == []  # nothing served without the drafter: no row
 
 
 def test_online_vllm_counts_each_datasets_completion_tokens_and_wall_seconds(server):
