@@ -121,7 +121,7 @@ def test_restart_after_a_crash_generates_only_the_rest(world, tmp_path, monkeypa
     d, tok = world
     run = make_run(tmp_path, tok, {"a": 20})
     real = infer.make_engine
-    monkeypatch.setattr(infer, "make_engine", lambda cfg, t: CrashAfter(real(cfg, t), 7))
+    monkeypatch.setattr(infer, "make_engine", lambda cfg, t, *urls: CrashAfter(real(cfg, t, *urls), 7))
     with pytest.raises(RuntimeError, match="simulated crash"):
         infer.run(config(run, d, batch_size=4))
     first = (run / "infer/a/responses.jsonl").read_bytes()
