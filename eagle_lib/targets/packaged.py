@@ -72,5 +72,5 @@ def resolve(uri: str) -> str:
 
 
 def version(uri: str) -> str:
-    """The installed version of the distribution a pypi:// URI names (recorded in the stages' meta.json)."""
+    """The installed version of the distribution a pypi:// URI names (not yet recorded in the stages' meta.json)."""
     return _distribution(split(uri)[0]).version
