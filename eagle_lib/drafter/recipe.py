@@ -148,6 +148,9 @@ class Params(params.Strict):
     num_threads: int = (
         0  # torch CPU threads; 0: the machine rule (engines.machine.cpu_threads: half the cores)
     )
+    # torch CPU threads once no hidden-state producer of the stage runs (vllm: the producer holds a core until it
+    # has made every unit); 0: num_threads throughout. Only where nothing else shares the machine
+    threads_alone: int = 0
     export_dtype: Literal["float32", "bfloat16", "float16"] = (
         "float32"  # float32 | bfloat16 | float16 for the SGLang / speculators exports
     )

@@ -74,6 +74,22 @@ def _micro_step(model, source, batch, device, autocast: bool, accum: int, sync: 
     return stats.detach()
 
 
+def alone_threads(p, source) -> None:
+    """torch's threads for the next step: p.threads_alone while none of the source's producers runs (a source
+    without producers: always), else p.num_threads's count (05's rule), since a CPU-bound job beside a torch job
+    that takes every core collapses it (benchmarks/bench_threads.py)."""
+    if p.threads_alone <= 0:
+        return
+    producing = getattr(source, "producing", None)
+    want = (
+        machine.cpu_threads(p.num_threads, distributed.world()[1])
+        if producing is not None and producing()
+        else p.threads_alone
+    )
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+
+
 def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, fp, config, out,
         meter=None, log_every: int | None = None) -> list[dict]:  # fmt: skip
     """The training loop of 05 and 07: optimizer steps `start`..`total` of recipe `p` (resumed from the newest
@@ -100,6 +116,7 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
     every = p.log_every if log_every is None else log_every
     bad, stop = 0, (start + p.stop_after_steps if p.stop_after_steps else total)
     for step in range(start, min(total, stop)):
+        alone_threads(p, source)
         t0 = time.perf_counter()
         stats, tokens = torch.zeros(k, ttt.N_STATS, device=device), 0
         for a, m in enumerate(recipe.micro_batches(step, rank, world, p.grad_accum)):
@@ -126,6 +143,7 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
         )  # a group shares rows
         row = ttt.log_row(step + 1, lr, stats, gnorm, tokens, time.perf_counter() - t0, decay)
         row["skipped"] = bad > 0
+        row["threads"] = torch.get_num_threads()
         row["elapsed_s"] = (history[-1]["elapsed_s"] if history else 0.0) + row["seconds"]
         if meter is not None:
             meter(row, history)

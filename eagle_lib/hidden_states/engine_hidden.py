@@ -254,6 +254,10 @@ class VllmHidden:
             self, _release, self.procs, self.buf / f"STOP.{self.session}", lock
         )
 
+    def producing(self) -> bool:
+        """Whether a producer this source started still runs on this machine (external ones run elsewhere)."""
+        return any(p.poll() is None for p in self.procs)
+
     def _to_make(self, start: int) -> list[list[str]]:
         """Per unit, the sequences the producers make: those neither kept in the store nor (when keeping)
         made by an earlier unit from `start` on, which is in the store by the time this unit is read."""

@@ -153,6 +153,11 @@ class KeptSource:
             self.stats["producer_sessions"] += 1
         return first
 
+    def producing(self) -> bool:
+        """Whether a producer this source started may still be making units (keep mode: `prepare` made them
+        all before training; the producers that wait for a next plan sit idle)."""
+        return self.mode == "stream" and any(p.poll() is None for p in self.procs)
+
     def _consumed(self, u: int, path: Path) -> None:
         """Unit u read: the cursor first, then the file goes (a producer that finds the unit gone then also finds
         it below the cursor, and does not make it again)."""

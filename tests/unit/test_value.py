@@ -212,3 +212,34 @@ def test_a_replicate_trains_on_another_draw_of_its_training_set(trained):
     assert plain["0.5@seed+1"][0] == plain["0.5"][0]
     assert resampled["0.5"] == plain["0.5"] and resampled["0.5@seed+1"][1] == plain["0.5@seed+1"][1] == 10_000
     assert resampled["0.5@seed+1"][0] != resampled["0.5"][0]
+
+
+def test_threads_rise_to_threads_alone_once_the_producers_stop(trained, tmp_path):
+    """threads_alone: the steps taken while the source's producer runs keep 05's thread count, the steps after
+    it use threads_alone (the producer's core is free then); without it the count never changes."""
+    run, cfg, tr = trained
+    seqs, _, _ = tr.sequences(run)
+    inner, calls = tr.source, []
+
+    class Producing:  # the source's producer runs for the first two steps
+        def __call__(self, batch):
+            return inner(batch)
+
+        def producing(self):
+            calls.append(1)
+            return len(calls) <= 2
+
+    torch.set_num_threads(1)
+    p = tr.p
+    try:
+        tr.source = Producing()
+        tr.p = p.model_copy(update={"num_threads": 1, "threads_alone": 2})
+        _, log = tr.train(seqs, 4, 1, tmp_path / "a", "a")
+        assert [r["threads"] for r in log] == [1, 1, 2, 2]
+        torch.set_num_threads(1)
+        tr.p = p.model_copy(update={"num_threads": 1, "threads_alone": 0})
+        _, log = tr.train(seqs, 3, 1, tmp_path / "b", "b")
+        assert [r["threads"] for r in log] == [1, 1, 1]
+    finally:
+        tr.source, tr.p = inner, p
+        torch.set_num_threads(1)
