@@ -47,11 +47,11 @@ toy: env
 	$(PY) -m eagle_lib.toy build
 
 run: env toy
-	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),)
+	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),) $(foreach s,$(SET),--set $(s))
 
 # The real recipe: SmolLM2-135M-Instruct (GGUF from PyPI) through 01-07 on ShareGPT, served by vLLM (params/smollm2.yaml).
 real: env vllm-env real-parts
-	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),) $(if $(SEED),--seed $(SEED),)
+	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),) $(if $(SEED),--seed $(SEED),) $(foreach s,$(SET),--set $(s))
 
 test: env vllm-env sglang-env router-env real-parts
 	@$(PY) -m eagle_lib.engines.machine

@@ -161,8 +161,41 @@ def _validate(model: type[Strict], data: Any, where: str, prefix: str = "") -> A
         raise ParamsError(_fmt_errors(err, where, prefix)) from None
 
 
-def load_params(path: str | Path, registry: dict[str, StageSpec] | None = None) -> RunParams:
-    """Load and fully validate a params file (every stage section), before anything runs."""
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``KEY=VALUE`` of ``pipeline run --set``: (the dotted key's parts, the value read as YAML)."""
+    key, sep, value = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ParamsError(
+            f"--set {text!r}: expected KEY=VALUE, e.g. 05_train_eagle3.max_steps=80 or shared.seed=1"
+        )
+    try:
+        return parts, yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ParamsError(f"--set {text!r}: the value is not valid YAML: {e}") from None
+
+
+def _apply_overrides(raw: dict, overrides: list[str], path: Path, registry) -> None:
+    """Each ``KEY=VALUE`` into the raw params: ``<stage>.<key>`` (under stages:), ``shared.<key>`` or a top-level
+    key; validation then names any key or value the params do not take."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = raw["stages"].setdefault(parts[0], {}) if parts[0] in registry else raw
+        keys = parts[1:] if parts[0] in registry else parts
+        if not keys:
+            raise ParamsError(f"--set {text!r}: name a key inside stage {parts[0]} (e.g. {parts[0]}.seed=1)")
+        for k in keys[:-1]:
+            if not isinstance(node.get(k, {}), dict):
+                raise ParamsError(f"{path}: --set {text!r}: {k} is not a mapping")
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+
+
+def load_params(
+    path: str | Path, registry: dict[str, StageSpec] | None = None, overrides: list[str] | None = None
+) -> RunParams:
+    """Load and fully validate a params file (every stage section), before anything runs; `overrides`
+    (``KEY=VALUE``, `pipeline run --set`) replace values of the file first."""
     registry = registry or STAGES
     path = Path(path)
     if not path.exists():
@@ -183,7 +216,8 @@ def load_params(path: str | Path, registry: dict[str, StageSpec] | None = None) 
         if not isinstance(section, dict):
             raise ParamsError(f"{path}: stages.{name}: must be a mapping")
     raw["stages"] = stages
-    run = _validate(RunParams, raw, str(path))
+    _apply_overrides(raw, list(overrides or []), path, registry)
+    run = _validate(RunParams, raw, str(path) + (f" (with --set {' '.join(overrides)})" if overrides else ""))
     for name in stages:
         run.stage(name, registry)
     return run

@@ -1,6 +1,6 @@
 """The one entry point: run the numbered stage notebooks in order with papermill.
 
-    python -m eagle_lib.pipeline run PARAMS [--stages 01-06] [--run-name NAME] [--force]
+    python -m eagle_lib.pipeline run PARAMS [--stages 01-06] [--run-name NAME] [--seed N] [--set KEY=VALUE] [--force]
 
 Per run (outputs/<run>/): reports/NN_*.ipynb + .html (the executed notebooks are the report), manifest.json
 (params, git commit, package versions, start/end/duration of each stage) and .stages/<stage>.json markers.
@@ -335,12 +335,14 @@ def run_pipeline(
     root: Path = REPO_ROOT,
     log=print,
     seed: int | None = None,
+    overrides: list[str] | None = None,
 ) -> dict:
     """Validate the params file, then run the selected stages that have a notebook; returns the manifest.
     `seed` replaces shared.seed (the held-out split, 02's sample, 05's init and order) and, unless `run_name`
-    is given, names the run ``<run_name>_s<seed>``."""
+    is given, names the run ``<run_name>_s<seed>``. `overrides` (``KEY=VALUE``) replace values of the params file
+    (the manifest's params are the values used)."""
     registry = registry or dict(STAGES)
-    run = load_params(params_path, registry)
+    run = load_params(params_path, registry, overrides)
     if problem := unpinned_remote_code(run.shared):  # before any stage runs the hub's code
         raise ParamsError(f"{params_path}: {problem}")
     if seed is not None:
@@ -398,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=None, help="override shared.seed (run name <run_name>_s<seed>)"
     )
     r.add_argument("--force", action="store_true", help="re-run stages even if complete and unchanged")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="replace a value of the params file, e.g. 05_train_eagle3.threads_alone=0 (repeatable)")  # fmt: skip
     v = sub.add_parser("validate", help="validate params files and exit")
     v.add_argument("params", nargs="+")
     v.add_argument("--budget", action="store_true", help="also print the run's memory and time budget")
@@ -414,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.budget:  # loads torch (the drafter's shapes): only when asked
                     print(budget_text(run, args.target_config))
             return 0
-        manifest = run_pipeline(args.params, args.stages, args.run_name, args.force, seed=args.seed)
+        manifest = run_pipeline(
+            args.params, args.stages, args.run_name, args.force, seed=args.seed, overrides=args.overrides
+        )
     except ParamsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -76,3 +76,22 @@ def test_secrets_come_from_env(monkeypatch):
     monkeypatch.delenv("MY_KEY")
     with pytest.raises(ParamsError, match="MY_KEY"):
         secret_from_env("MY_KEY", "server")
+
+
+def test_set_overrides_replace_values_and_bad_ones_are_named(tmp_path):
+    """`pipeline run --set KEY=VALUE`: a stage key, a shared key and a top-level key are replaced (values read as
+    YAML); an unknown key, a wrong type and a malformed override are errors naming what is wrong."""
+    f = tmp_path / "p.yaml"
+    f.write_text("run_name: a\nshared: {seed: 0}\nstages:\n  05_train_eagle3: {max_steps: 10}\n")
+    run = load_params(f, overrides=["05_train_eagle3.max_steps=80", "shared.seed=3", "run_name=b",
+                                    "05_train_eagle3.adam_betas=[0.8, 0.9]"])  # fmt: skip
+    p05 = run.stage("05_train_eagle3")
+    assert (p05.max_steps, run.shared.seed, run.run_name) == (80, 3, "b")
+    assert list(p05.adam_betas) == [0.8, 0.9]
+    assert load_params(f).stage("05_train_eagle3").max_steps == 10  # the file is untouched
+    with pytest.raises(ParamsError, match=r"05_train_eagle3\.max_stepz.*unknown key"):
+        load_params(f, overrides=["05_train_eagle3.max_stepz=1"])
+    with pytest.raises(ParamsError, match=r"shared\.seed"):
+        load_params(f, overrides=["shared.seed=many"])
+    with pytest.raises(ParamsError, match="KEY=VALUE"):
+        load_params(f, overrides=["05_train_eagle3.max_steps"])

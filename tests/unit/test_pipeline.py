@@ -144,3 +144,13 @@ def test_a_seed_override_names_the_run_and_reaches_every_stage(repo):
         injected = next(c for c in nb["cells"] if "injected-parameters" in c["metadata"].get("tags", []))
         assert "seed = 2\n" in "".join(injected["source"])
     assert not (repo / "outputs/t").exists()
+
+
+def test_a_set_override_reaches_the_stage_and_the_manifest(repo):
+    """`pipeline run --set 01_fake.n=5` (`make real SET=...`): the stage runs with 5, the manifest records 5,
+    and the params file keeps its 3."""
+    p = params(repo)
+    m = go(repo, p, overrides=["01_fake.n=5"])
+    assert read_notebook_metrics(repo / "outputs/t/reports/01_fake.ipynb") == {"n": 5}
+    assert m["params"]["stages"]["01_fake"]["n"] == 5
+    assert "n: 3" in p.read_text()
