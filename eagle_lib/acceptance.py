@@ -349,7 +349,7 @@ def _models(cfg: params.StageConfig, drafter_dir: Path):
     from eagle_lib.serving import preflight
 
     if not cfg.stage.offline:
-        return None, None, preflight.target_text_config(cfg.shared.target, cfg.shared.trust_remote_code)
+        return None, None, preflight.target_text_config(cfg.shared.target, **models.hub_kwargs(cfg.shared))
     target = models.load_target(cfg.shared)
     drafter = load_drafter(drafter_dir, device=target.device)
     return target, drafter, preflight.text_config_dict(target.config)

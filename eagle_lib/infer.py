@@ -2,7 +2,8 @@
 
 Input ``data/B/<dataset>/prompts.jsonl`` (stage 02); output ``infer/<dataset>/responses.jsonl`` (one record per
 prompt id: prompt_ids, output_ids, text, finish_reason, sampling, engine, latency), ``errors.jsonl`` (requests
-that got no response, with the reason) and ``meta.json`` (read = kept + rejected), plus ``infer/meta.json``.
+that got no response, with the reason) and ``meta.json`` (read = kept + rejected), plus ``infer/meta.json`` and,
+for servers, ``infer/target_fingerprint-<key>.json`` (what later runs' servers must match: `engines.fingerprint`).
 
 Exactly once: a response is committed when its line is appended (whole batches, fsync). A restart reads the
 committed ids and generates only the others; a torn last line (a crash mid-write) is skipped and redone.
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle_lib import models, params, store
-from eagle_lib.engines import commit, machine
+from eagle_lib.engines import commit, fingerprint, machine
 from eagle_lib.engines.base import EngineError, Sampling
 from eagle_lib.engines.resume import InferError, Resume, error_ids, merge_shards, target_identity
 
@@ -69,7 +70,7 @@ class Params(params.Strict):
     shuffle: bool = True  # take each dataset's prompts in a seeded random order (unbiased mid-run estimates)
     retry_errors: bool = True  # re-run ids that failed in an earlier run
     on_stale: Literal["error", "set_aside"] = "error"  # records of other prompts/sampling: stop | set aside
-    max_error_fraction: float = 0.01  # the stage fails (after writing everything) when more prompts error
+    max_error_fraction: float = 0.01  # the stage fails when more prompts error (a server run stops early)
     progress: bool = True  # progress bar with tokens/s and ETA per dataset
 
 
@@ -171,9 +172,10 @@ def make_engine(cfg: params.StageConfig, tokenizer, server_urls: list[str] | Non
 
     cls = {"sglang": SGLangEngine, "openai": OpenAIEngine, "vllm": OpenAIEngine}[p.engine]
     api_key = params.secret_from_env(p.api_key_env, "03_infer servers")
-    return cls(server_urls or p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency, timeout_s=p.timeout_s,
-               max_retries=p.max_retries, backoff_s=p.backoff_s, backoff_max_s=p.backoff_max_s, api_key=api_key,
-               model=p.served_model, all_down_s=p.all_down_s)  # fmt: skip
+    return cls(server_urls or p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency,
+               timeout_s=p.timeout_s, max_retries=p.max_retries, backoff_s=p.backoff_s, backoff_max_s=p.backoff_max_s,
+               api_key=api_key, model=p.served_model, all_down_s=p.all_down_s,
+               max_error_fraction=p.max_error_fraction)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -358,17 +360,16 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
     where = parse_shard(shard)
     names = dataset_names(cfg)
     with local_server(cfg, names) as urls:
-        with (
-            warnings.catch_warnings()
-        ):  # tqdm's "IProgress not found" (a notebook without ipywidgets) is noise
+        with warnings.catch_warnings():  # tqdm's "IProgress not found" (no ipywidgets) is noise
             warnings.filterwarnings("ignore", message="IProgress not found")
             tokenizer = models.load_tokenizer(cfg.shared)
             engine = make_engine(cfg, tokenizer, urls)
-        try:
+        try:  # the live servers serve one model, the one earlier runs of this target recorded
             probe = engine.check(tokenizer)
+            identity = target_identity(engine, cfg.shared, probe, tokenizer)
+            probe["fingerprint"] = fingerprint.settle(engine, cfg.out("infer"), identity)
         except EngineError as e:
             raise InferError(f"03_infer: {e}") from None
-        identity = target_identity(engine, cfg.shared, probe)
         metas, seconds = run_datasets(cfg, names, engine, tokenizer, where, identity)
     keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens")
     total = {k: sum(m[k] for m in metas.values()) for k in keys} | {"generate_seconds": round(seconds, 3)}

@@ -87,6 +87,53 @@ def pinned(repo: str, trust_remote_code: bool, revision: str, allow_unpinned: bo
     return revision or None
 
 
+# transformers releases that load a model type's tokenizer wrongly, by [first, end) (major, minor): kimi_k25's
+# remote TikTokenTokenizer is bypassed (the type was listed in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) and
+# the converted tokenizer gives every special token after 163588 a shifted id (</think> is not 163607), so
+# training data would be tokenized with wrong ids without an error. Reported for 5.4-5.11 (transformers #45356,
+# fixed by #45359)
+BROKEN_TRANSFORMERS: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = {
+    "kimi_k25": ((5, 4), (5, 12), "transformers #45356: kimi_k25's remote tokenizer is bypassed and its special "
+                 "token ids shift (</think> no longer 163607)"),
+}  # fmt: skip
+
+
+class TransformersVersionError(RuntimeError):
+    """The installed transformers is known to mishandle this target (message: version, model type, issue, fix)."""
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def transformers_problem(model_type: str, version: str) -> str | None:
+    """Why transformers `version` must not load a target of `model_type` (`BROKEN_TRANSFORMERS`), or None."""
+    bad, v = BROKEN_TRANSFORMERS.get(model_type), _minor(version)
+    if bad is None or v is None or not bad[0] <= v < bad[1]:
+        return None
+    (a, b), (c, d), why = bad
+    return (f"transformers {version} is in {a}.{b}-{c}.{d - 1}, which mishandles {model_type} ({why}): install "
+            f"transformers >= {c}.{d} (or < {a}.{b}) in this venv")  # fmt: skip
+
+
+def refuse_broken_transformers(model_type: str) -> None:
+    """Raise TransformersVersionError when the installed transformers mishandles `model_type`."""
+    import transformers
+
+    if why := transformers_problem(str(model_type or ""), transformers.__version__):
+        raise TransformersVersionError(why)
+
+
+def _broken_release() -> bool:
+    """Whether the installed transformers falls in any `BROKEN_TRANSFORMERS` range (cheap: no config load)."""
+    import transformers
+
+    return any(transformers_problem(t, transformers.__version__) for t in BROKEN_TRANSFORMERS)
+
+
 def hub_kwargs(shared, tokenizer: bool = False) -> dict:
     """from_pretrained's ``trust_remote_code`` and ``revision`` for the target (or, `tokenizer`, its tokenizer)."""
     if tokenizer and shared.tokenizer:
@@ -103,6 +150,8 @@ def load_tokenizer(shared):
     """The target tokenizer (shared.tokenizer or the target's own), with its chat template."""
     from transformers import AutoTokenizer
 
+    if _broken_release():  # a release known to mishandle some target's tokenizer: is it this target's type?
+        refuse_broken_transformers(load_config(shared.target, **hub_kwargs(shared)).model_type)
     return AutoTokenizer.from_pretrained(resolve(shared.tokenizer_path), **hub_kwargs(shared, tokenizer=True))
 
 
@@ -127,7 +176,9 @@ def load_config(target: str, trust_remote_code: bool = False, revision: str | No
     """The target's HF config (toy:// resolved), without loading weights (kwargs: `hub_kwargs`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve(target), trust_remote_code=trust_remote_code, revision=revision)
+    cfg = AutoConfig.from_pretrained(resolve(target), trust_remote_code=trust_remote_code, revision=revision)
+    refuse_broken_transformers(getattr(cfg, "model_type", ""))
+    return cfg
 
 
 def layer_ids(aux_layers: list[int], to: Convention) -> list[int]:

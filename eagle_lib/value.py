@@ -27,8 +27,13 @@ interval of the stage (projections, verdict, leave-one-out values, regenerated v
    B conversations answered by the target vs their first turn only, at equal tokens, on held-out first- and
    later-turn prompts (07 regenerates a bounded number each_turn when 03 did not).
 
+Every tau of the stage is of one kind, named in the headline (``tau_kind``): with ``tau_source: ttt`` a
+teacher-forced argmax-chain tau on the run's sampled text, not 06's served tau nor on ``target_tau``'s scale;
+where 06 measured the run, `eagle_lib.data_value.tau_scale` calibrates it against 06 (calibration.csv,
+``tau_calibration``, ``tokens_for_target_on_06_scale``).
+
 Writes ``value/``: curve.csv, projections.csv, lodo.csv, regen.csv, multiturn.csv (+ multiturn/<dataset>/ turn
-records), sums.json (per drafter and prompt),
+records), calibration.csv, sums.json (per drafter and prompt),
 drafters/<key>/ (cached weights: a rerun with the same inputs reuses them), the plots and meta.json.
 """
 
@@ -129,6 +134,7 @@ def run(cfg: params.StageConfig) -> Result:
     """The whole stage: the studies the params ask for, their tables and plots, value/meta.json."""
     import pandas as pd
 
+    from eagle_lib.data_value import tau_scale
     from eagle_lib.data_value import value_multiturn as mturn
     from eagle_lib.data_value import value_study as study
     from eagle_lib.data_value import value_tables as tables
@@ -149,8 +155,11 @@ def run(cfg: params.StageConfig) -> Result:
     res = tables.result(st, curve_df, c, lodo, regen, p)
     res.multiturn = mt
     res.headline |= mturn.headline(mt, mt_tally)
+    res.calibration, scale = tau_scale.headline(cfg.run_dir, st, p, c)  # what this tau is; 06 beside it
+    res.headline |= scale
+    res.headline["tokens_for_target"]["scale"] = "07's tau (tau_kind); on 06's: tokens_for_target_on_06_scale"
     for name, df in (("curve", curve_df), ("projections", res.projections), ("lodo", lodo), ("regen", regen),
-                     ("multiturn", mt)):  # fmt: skip
+                     ("multiturn", mt), ("calibration", res.calibration)):  # fmt: skip
         df.to_csv(st.out / f"{name}.csv", index=False)
     meta = {
         **st.prompt_tally,

@@ -96,8 +96,9 @@ def probe_template(enc: Any) -> Probe:
     """Learn the assistant header, the end-of-turn strings and whether history reasoning is dropped.
 
     header = what the generation prompt adds after the user turn AND the template writes before an assistant's
-    content (Kimi renders ``<think></think>`` there, which belongs to the turn); "" when there is none (Mistral
-    ``[INST]``). An end = the text after an assistant's content through its first special token, learned after a
+    content (the toy's Kimi-like template renders ``<think></think>`` there, which belongs to the turn; Kimi-K2.5's
+    generation prompt ends with ``<think>``, which the model never writes: it is the header's); "" when there is
+    none (Mistral ``[INST]``). An end = the text after an assistant's content through its first special token, learned after a
     final turn, a history turn and a tool-call turn; a special token that opens user turns is not an end (a
     template that closes only the final message).
     """

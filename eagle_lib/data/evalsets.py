@@ -12,8 +12,17 @@ iter_rows` and turned into one user message per row by a small adapter for its p
   entry_point}``; the code stub is the message.
 * ``math500`` — HuggingFaceH4/MATH-500 (split test) ``{problem, solution, answer, subject, level, unique_id}``.
 * ``speed_bench`` — nvidia/SPEED-Bench (configs qualitative, throughput_1k ... throughput_32k; split test)
-  ``{question_id, category, sub_category, turns: [str, ...], source, difficulty, multiturn}``; the first turn
-  (``turns: all`` as for MT-Bench).
+  ``{question_id, category, sub_category, turns: [str, ...], source, src_id, difficulty, multiturn}``; the first
+  turn (``turns: all`` as for MT-Bench). The qualitative config is 11 categories of 80 rows (coding, humanities,
+  math, multilingual, qa, rag, reasoning, roleplay, stem, summarization, writing): "SPEED-Bench coding" is
+  ``category: coding``, not the config's first 80 rows. Rows whose turns begin with "FULL BENCHMARK DATA SHOULD
+  BE FETCHED ..." are stubs that NVIDIA's loader rebuilds from other datasets (Model-Optimizer's
+  ``examples/specdec_bench/prepare_data.py``); they are no prompts, so they are REFUSED here, not rebuilt:
+  counted as ``dropped.stub`` in the set's tally (06's meta.json ``eval_sets``) and printed. A set with only
+  stubs raises; to measure those rows, rebuild them with that script and point ``path`` at its parquet.
+
+``category`` (any schema with one: mt_bench and speed_bench ``category``, math500 ``subject``) keeps only the rows
+of that category; the others are counted as ``dropped.other_category``.
 
 The message is rendered with the target's chat template (generation prompt added) into prompt token ids.
 A row that does not follow its schema raises an error naming the file, the row and the reason.
@@ -52,6 +61,7 @@ class EvalSet(params.Strict):
     config: str = ""  # hub config (gsm8k: main; SPEED-Bench: qualitative, throughput_1k, ...)
     split: str = "test"  # hub split
     max_prompts: int = 8  # the first N rows that fit max_prompt_tokens
+    category: str = ""  # only rows of this category (SPEED-Bench coding: coding); empty: every row
     turns: Literal["first", "all"] = (
         "first"  # all (mt_bench, speed_bench): later turns too, after the target's own answers, as <name>_turn<k>
     )
@@ -91,6 +101,17 @@ def later_turns(schema: str, row: dict) -> list[str]:
     """The user turns after the first of a multi-turn row (mt_bench, speed_bench); [] for other schemas."""
     keys = {"mt_bench": ("turns", "prompt"), "speed_bench": ("turns",)}.get(schema)
     return _later_turns(row, keys) if keys else []
+
+
+STUB_PREFIX = "FULL BENCHMARK DATA SHOULD BE FETCHED"  # SPEED-Bench's placeholder for rows built elsewhere
+
+
+def is_stub(schema: str, row: dict) -> bool:
+    """A SPEED-Bench row whose turns are NVIDIA's placeholder (to be rebuilt from other datasets), not a prompt."""
+    turns = row.get("turns") if schema == "speed_bench" else None
+    return isinstance(turns, list) and any(
+        isinstance(t, str) and t.lstrip().startswith(STUB_PREFIX) for t in turns
+    )
 
 
 def _id(row: dict, keys: tuple[str, ...], fallback: str) -> str:
@@ -133,7 +154,8 @@ def render(tokenizer, message: str) -> list[int]:
 
 def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], dict]:
     """Up to ``es.max_prompts`` prompts ``{id, dataset, category, prompt_ids}`` and the tally
-    ``{read, kept, dropped: {too_long, over_cap}, rejected: 0}`` (a malformed row raises)."""
+    ``{read, kept, dropped: {too_long, other_category, stub}, rejected: 0}`` (a malformed row raises; SPEED-Bench
+    stubs are refused and counted, `is_stub`)."""
     # formats.Source needs an adapter name; iter_rows only reads rows, the eval-set schema adapts them
     src = formats.Source(
         name=es.name, path=local_path(es.path), adapter="openai", config=es.config, split=es.split
@@ -150,6 +172,12 @@ def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], di
             rid, text, cat = adapt(es.benchmark, row, f"{es.name}:{where.get('line', where.get('row'))}")
         except EvalSetError as e:
             raise EvalSetError(f"eval set {es.name} ({es.benchmark}): {loc}: {e}") from None
+        if es.category and cat != es.category:
+            dropped["other_category"] += 1
+            continue
+        if is_stub(es.benchmark, row):
+            dropped["stub"] += 1
+            continue
         ids = render(tokenizer, text)
         if len(ids) > max_prompt_tokens:
             dropped["too_long"] += 1
@@ -161,10 +189,19 @@ def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], di
             except EvalSetError as e:
                 raise EvalSetError(f"eval set {es.name} ({es.benchmark}): {loc}: {e}") from None
         out.append(rec)
+    if dropped["stub"]:
+        print(f"06 eval set {es.name}: refused {dropped['stub']} SPEED-Bench stub row(s) of {es.path} (turns "
+              f"'{STUB_PREFIX}...': NVIDIA's loader rebuilds them from other datasets); {len(out)} prompts kept")  # fmt: skip
     if not out:
+        stubs = (
+            f"; {dropped['stub']} of them are SPEED-Bench stubs ('{STUB_PREFIX}...'): rebuild them with "
+            "Model-Optimizer's examples/specdec_bench/prepare_data.py and point path at its parquet"
+            if dropped["stub"] else ""
+        )  # fmt: skip
+        wanted = f" of category {es.category!r}" if es.category else ""
         raise EvalSetError(
-            f"eval set {es.name}: no prompt of {es.path} fits max_prompt_tokens={max_prompt_tokens} "
-            f"(read {n_read} rows)"
+            f"eval set {es.name}: no prompt{wanted} of {es.path} fits max_prompt_tokens={max_prompt_tokens} "
+            f"(read {n_read} rows, dropped {dict(dropped)}{stubs})"
         )
     return out, {"read": n_read, "kept": len(out), "dropped": dict(dropped), "rejected": 0}
 

@@ -15,7 +15,12 @@ else it stops there, with the reason counted (``length``, ``tool_call_mismatch``
 
 Answers are parsed in Kimi-K2.5's format (the toy's too): ``<think>reasoning</think>content`` then an optional
 ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS
-<|tool_call_end|>...<|tool_calls_section_end|>``.
+<|tool_call_end|>...<|tool_calls_section_end|>``. Kimi-K2.5's generation prompt ends with ``<think>`` (the
+template opens the think block), so its answers start inside the reasoning: ``reasoning</think>content``; the
+toy's prompt stops before ``<think>`` and the model writes it. Which of the two a turn is comes from its prompt
+(:func:`opens_think`). Either way the reasoning goes to ``reasoning_content``, never into the replayed content.
+An answer whose think block never closes has no content to replay: cut at max_new_tokens the conversation stops
+(``length``); ended by a stop token inside its reasoning it stops as ``unparsable``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ _CALL = re.compile(
     re.S,
 )
 _SECTION = "<|tool_calls_section_begin|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def turn_id(conversation: str, turn: int) -> str:
@@ -75,15 +81,26 @@ def calls_match(target_calls: list[dict], source_calls: list[dict]) -> bool:
     return [norm_call(t) for t in target_calls] == [norm_call(s) for s in source_calls]
 
 
-def parse_answer(text: str, stop_strings: list[str]) -> dict:
-    """An assistant message {role, content, reasoning_content?, tool_calls?} from a generated answer's text."""
+def opens_think(prompt_tail: str) -> bool:
+    """Whether a prompt (its decoded end suffices) leaves a think block open: the answer starts inside it."""
+    return prompt_tail.rstrip().endswith(THINK_OPEN)
+
+
+def parse_answer(text: str, stop_strings: list[str], think_open: bool = False) -> dict | None:
+    """An assistant message {role, content, reasoning_content?, tool_calls?} from a generated answer's text;
+    ``think_open``: its prompt opened the think block (`opens_think`), so the text starts inside the reasoning.
+    None when the think block never closes (an answer cut inside its reasoning has no content to replay)."""
     for s in stop_strings:
         if s and text.endswith(s):
             text = text[: -len(s)]
             break
     msg: dict = {"role": "assistant"}
-    if text.startswith("<think>") and "</think>" in text:
-        reasoning, text = text[len("<think>") :].split("</think>", 1)
+    if not think_open and text.startswith(THINK_OPEN):
+        text, think_open = text[len(THINK_OPEN) :], True
+    if think_open:
+        reasoning, closed, text = text.partition(THINK_CLOSE)
+        if not closed:
+            return None
         if reasoning:
             msg["reasoning_content"] = reasoning
     content, _, section = text.partition(_SECTION)
@@ -100,13 +117,15 @@ def parse_answer(text: str, stop_strings: list[str]) -> dict:
     return msg
 
 
-def next_turn(answer: dict, finish_reason: str, follow: dict | None) -> tuple[list[dict] | None, str]:
+def next_turn(answer: dict | None, finish_reason: str, follow: dict | None) -> tuple[list[dict] | None, str]:
     """(messages to append after the answer, "") to continue, or (None, reason) to stop; reason "complete" when
-    the source has no further turn."""
+    the source has no further turn, "unparsable" when `parse_answer` found no answer to replay (None)."""
     if follow is None:
         return None, "complete"
     if finish_reason != "stop":
         return None, "length"
+    if answer is None:
+        return None, "unparsable"
     mine = answer.get("tool_calls") or []
     if not calls_match(mine, follow["calls"]):
         return None, "tool_call_mismatch"

@@ -12,6 +12,13 @@ def _save(fig, res, name: str):
     return report.save_figure(fig, res.out_dir / name)
 
 
+def tau_axis(res) -> str:
+    """The y label of 07's tau: what it is (`tau_scale.kind`), short."""
+    if res.headline.get("tau_source") == "ttt":
+        return "tau: teacher-forced argmax chain on sampled text\n(not 06's served tau)"
+    return "tau (held-out, offline decoding)"
+
+
 def plot_curve(res):
     """Measured tau per subset (log x: training tokens; faint lines: per eval set), the fit, its 95% bootstrap
     band out to the largest multiplier, the projections with intervals and the chain limit."""
@@ -47,7 +54,7 @@ def plot_curve(res):
             )
     ax.axhline(c.cap, color="grey", ls="--", lw=0.8, label=f"chain limit {c.cap:g}")
     ax.axvline(total, color="grey", ls=":", lw=0.8)
-    ax.set(xscale="log", xlabel="training tokens (05's data = dotted line)", ylabel="tau (held-out, offline)")
+    ax.set(xscale="log", xlabel="training tokens (05's data = dotted line)", ylabel=tau_axis(res))
     ax.legend(fontsize=8, loc="lower right")
     return _save(fig, res, "curve.png")
 
@@ -111,7 +118,7 @@ def plot_regen(res):
     )
     ax.set_xticks(x, r["eval"], rotation=30, ha="right")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(ylabel="tau (held-out, offline)", title="regenerated vs original responses, equal tokens")
+    ax.set(ylabel=tau_axis(res), title="regenerated vs original responses, equal tokens")
     ax.legend(fontsize=8)
     return _save(fig, res, "regen_vs_original.png")
 
@@ -134,6 +141,6 @@ def plot_multiturn(res):
            label="every turn (each_turn; interval of the difference)")  # fmt: skip
     ax.set_xticks(x, r["eval"], rotation=30, ha="right")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(ylabel="tau (held-out, offline)", title="multi-turn vs single-turn regeneration, equal tokens")
+    ax.set(ylabel=tau_axis(res), title="multi-turn vs single-turn regeneration, equal tokens")
     ax.legend(fontsize=8)
     return _save(fig, res, "multiturn_vs_single.png")

@@ -31,6 +31,7 @@ class Result:
     total_tokens: int = 0
     out_dir: Path = Path(".")
     multiturn: pd.DataFrame = field(default_factory=pd.DataFrame)  # per eval set: multi- vs single-turn regen
+    calibration: pd.DataFrame = field(default_factory=pd.DataFrame)  # 07's tau beside 06's (`tau_scale`)
 
 
 def _eval_sets(st) -> list[str]:

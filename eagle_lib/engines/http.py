@@ -5,20 +5,23 @@ Token ids go out (`input_ids` / `prompt` as an id list) and come back (`output_i
 with `return_token_ids`), so no text is ever re-tokenized. Many servers share one work queue, each with
 `concurrency` requests in flight, so faster servers take more work.
 
-Health is per server, not per request (`ServerHealth`): a server that fails (refused, reset, HTTP 5xx or 429,
-a timeout) is taken out of rotation at once; its workers take no work while a prober re-checks it (the
-engine's full probe: health, model, tokenizer) after an exponential backoff (`backoff_s` doubling up to
-`backoff_max_s`, with jitter), and it gets work again only once the probe passes. The request it held goes
-back to the queue without being charged: a request is charged a retry only for what is its own, a timeout
-(``timeout_s`` is the longest an answer may take) or a server fault after it has failed on every server; at
-`max_retries` charged retries it is a Failure "retries_exhausted". Other 4xx, non-JSON or wrongly shaped
-replies, ids outside the vocabulary: a Failure with the reason, at once. Nothing is lost or duplicated: a
-request is in the queue, in flight on one worker, or emitted once. With no server in rotation for
-`all_down_s`, generate() raises EngineError (03 then stops; a restart resumes).
+Health is per server, not per request (`faults.ServerHealth`, whose docstring has the rules): a server that is
+refused or times out is taken out of rotation at once, one that resets, answers 5xx, cuts its body short or
+rejects requests after `faults.IN_A_ROW` in a row; a 429 only pauses its workers. While out, its workers take
+no work and a prober re-checks it (the engine's full probe: health, model, tokenizer, fingerprint) after an
+exponential backoff (`backoff_s` doubling up to `backoff_max_s`, with jitter, growing each time it fails again
+before answering). A request is charged a retry only for what is its own: a timeout (``timeout_s`` is the
+longest an answer may take), or a server fault from a server that already failed it once; at `max_retries`
+charged retries it is a Failure "retries_exhausted". A rejection (other 4xx, abort, malformed reply) fails a
+request only when a second one confirms it, from another server where one is in rotation. Nothing is lost or
+duplicated: a request is in the queue, in flight on one worker, or emitted once. With no server in rotation (or
+all of them answering 429) for `all_down_s`, generate() raises EngineError (03 then stops; a restart resumes);
+so it does as soon as the failures are clearly past `max_error_fraction` (`faults.ErrorBudget`).
 
 `check()` probes every server before any work: a server that is down or not answering starts out of rotation
-(reported, and probed again during the run); one that serves another vocabulary (a different model) or no
-server at all answering -> EngineError naming each.
+(reported, and probed again during the run; it says nothing about the target); one that serves another
+vocabulary or another model (`eagle_lib.engines.fingerprint`: the probe's log-probs, checked on every live
+server, mid-run too), or no server at all answering -> EngineError naming each.
 """
 
 from __future__ import annotations
@@ -30,69 +33,24 @@ import queue
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import aiohttp
 
 from eagle_lib.engines import client
+from eagle_lib.engines import fingerprint as fpr
 from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
+from eagle_lib.engines.faults import (
+    ErrorBudget,
+    Rejected,
+    Retryable,
+    ServerHealth,
+    WorkItem,
+    WorkQueue,
+    cut_short,
+)
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà vu, 東京, ```code```."
-
-
-class Retryable(Exception):
-    """A transient fault: try again later (maybe elsewhere); `kind`: refused | reset | timeout | http_5xx |
-    http_429."""
-
-    def __init__(self, detail: str, retry_after: float = 0.0, kind: str = "reset"):
-        super().__init__(detail)
-        self.retry_after, self.kind = retry_after, kind
-
-
-@dataclass
-class ServerHealth:
-    """One server's rotation state and accounting (03's meta ``servers``)."""
-
-    url: str
-    healthy: bool = True
-    next_probe: float = 0.0  # monotonic time of the next probe while out of rotation
-    level: int = 0  # failed probes in a row (the backoff exponent)
-    out_since: float | None = None
-    out_s: float = 0.0  # total seconds out of rotation
-    answered: int = 0
-    tokens: int = 0
-    busy_s: float = 0.0  # summed latency of the answers it gave
-    failures: Counter = field(default_factory=Counter)
-    last_error: str = ""
-
-    def take_out(self, now: float, kind: str, detail: str, delay: float) -> None:
-        self.failures[kind] += 1
-        self.last_error = detail[:300]
-        if self.healthy:
-            self.healthy, self.out_since, self.next_probe = False, now, now + delay
-
-    def back(self, now: float) -> None:
-        if not self.healthy:
-            self.out_s += now - (self.out_since or now)
-        self.healthy, self.level, self.out_since = True, 0, None
-
-    def record(self, now: float | None = None) -> dict:
-        now = time.monotonic() if now is None else now
-        out = self.out_s + (now - self.out_since if self.out_since is not None else 0.0)
-        tps = self.tokens / self.busy_s if self.busy_s else None
-        return {"url": self.url, "in_rotation": self.healthy, "answered": self.answered, "tokens": self.tokens,
-                "tokens_per_s_per_request": round(tps, 2) if tps else None, "failures": dict(self.failures),
-                "seconds_out_of_rotation": round(out, 2), "last_error": self.last_error}  # fmt: skip
-
-
-class Rejected(Exception):
-    """A permanent fault for this request: goes to errors.jsonl with `reason`."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
 
 
 def probe_ids(tokenizer) -> tuple[str, list[int]]:
@@ -137,6 +95,7 @@ class HttpEngine(abc.ABC):
         model: str = "",
         send_seed: bool = True,
         all_down_s: float = 1800.0,
+        max_error_fraction: float | None = None,
     ):
         if not urls:
             raise EngineError(f"engine {self.name}: no server URLs given (server_urls is empty)")
@@ -150,6 +109,10 @@ class HttpEngine(abc.ABC):
         self.all_down_s = all_down_s
         self.health = {u: ServerHealth(u) for u in self.urls}  # kept across generate() calls (datasets)
         self._tokenizer = None  # check()'s: the prober re-runs the full probe before a server gets work again
+        self.fingerprints: dict[str, fpr.Fingerprint] = {}  # check()'s, per live server
+        self.reference: fpr.Fingerprint | None = None  # what every server must match (`fingerprint.settle`)
+        # every outcome of this engine's runs (all datasets): stop early once failures are clearly too many
+        self.budget = None if max_error_fraction is None else ErrorBudget(max_error_fraction)
 
     # ---- subclass hooks -------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -162,7 +125,16 @@ class HttpEngine(abc.ABC):
 
     @abc.abstractmethod
     async def probe(self, session: aiohttp.ClientSession, url: str, tokenizer) -> dict:
-        """Health + model + tokenizer check of one server; raises EngineError naming it."""
+        """Health + model + tokenizer + fingerprint check of one server ({url, model, ..., fingerprint});
+        raises EngineError naming it."""
+
+    @abc.abstractmethod
+    def fingerprint_body(self, ids: list[int]) -> dict:
+        """The request that scores the fingerprint probe `ids` (teacher-forced log-probs + greedy ids)."""
+
+    @abc.abstractmethod
+    def read_fingerprint(self, ids: list[int], data) -> fpr.Fingerprint:
+        """The Fingerprint in a reply to `fingerprint_body` (raises fingerprint.FingerprintError)."""
 
     # ---- shared helpers -------------------------------------------------------------------------------------
     def _session(self, timeout_s: float | None = None) -> aiohttp.ClientSession:
@@ -197,11 +169,15 @@ class HttpEngine(abc.ABC):
             raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="refused") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
             raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="reset") from None
-        if not raw.strip() or not json_reply:
+        if not json_reply:
             return None  # e.g. /health answers 200 with an empty body
+        text = raw.decode("utf-8", "replace")
         try:
-            return json.loads(raw)
+            return json.loads(text)
         except ValueError:
+            if cut_short(text):  # framed as complete, but the document stops midway: the transport's fault
+                raise Retryable(f"reply cut short ({len(raw)} bytes) from {url}: ...{text[-80:]!r}",
+                                kind="truncated") from None  # fmt: skip
             raise Rejected("malformed", f"reply is not JSON: {excerpt(raw, 120)!r}") from None
 
     def check_ids(self, ids, finish: str) -> list[int]:
@@ -226,10 +202,23 @@ class HttpEngine(abc.ABC):
         return ids
 
     # ---- probe ----------------------------------------------------------------------------------------------
+    async def fingerprint(self, session, url: str, tokenizer) -> fpr.Fingerprint:
+        """The server's answer to the fingerprint probe; EngineError when it is not the reference's model."""
+        ids = fpr.probe_ids(tokenizer)
+        data = await self.request_json(session, "POST", url + self.path, self.fingerprint_body(ids))
+        try:
+            fp = self.read_fingerprint(ids, data)
+        except fpr.FingerprintError as e:
+            raise EngineError(f"{url}: its answer to the fingerprint probe is unusable: {e}") from None
+        if self.reference is not None and (why := fpr.difference(self.reference, fp)):
+            raise EngineError(f"{url}: serves another model than this run's target: {why}")
+        return fp
+
     def check(self, tokenizer) -> dict:
         """Probe every server. Down or not answering: out of rotation from the start (reported; probed again
-        during the run). EngineError when a server serves another vocabulary or rejects the probe, or when
-        none is up (each URL's error)."""
+        during the run; it says nothing about the target). EngineError when a server serves another vocabulary
+        or another model than the other live servers (or the reference) or rejects the probe, or when none is
+        up (each URL's error)."""
         self._tokenizer = tokenizer
 
         async def probe_all():
@@ -244,9 +233,15 @@ class HttpEngine(abc.ABC):
                 f"engine {self.name}: health probe failed:\n  "
                 + "\n  ".join(i["error"] for i in infos if "error" in i)
             )
+        self.fingerprints = {i["url"]: i["fingerprint"] for i in infos if "fingerprint" in i}
+        if self.reference is None:
+            self.reference = fpr.consensus(self.fingerprints)
+        for i in infos:
+            if "fingerprint" in i:
+                i["fingerprint"] = i["fingerprint"].kind  # the record: how it was checked
         now = time.monotonic()
         for i in down:
-            self.health[i["url"]].take_out(now, i["kind"], i["error"], self._delay(0))
+            self.health[i["url"]].fault(now, i["kind"], i["error"], self._delay(0), at_once=True)
         return {"engine": self.name, "servers": infos, "down_at_start": [i["url"] for i in down]}
 
     def _probe_timeout(self) -> float:
@@ -315,9 +310,9 @@ class HttpEngine(abc.ABC):
 
     async def _run_all(self, requests: list[Request], emit, stop: threading.Event) -> None:
         self.retries = 0
-        work: asyncio.Queue = asyncio.Queue()
+        work = WorkQueue()
         for r in requests:
-            work.put_nowait((r, 0, None, frozenset()))
+            work.put(WorkItem(r))
         state = {"left": len(requests), "all_down_since": None}
         async with self._session() as session:
             # server-interleaved, starting one server further each call: small batches (a dataset's last turns)
@@ -332,7 +327,7 @@ class HttpEngine(abc.ABC):
             ]
             probers = [asyncio.create_task(self._prober(url, state, stop)) for url in order]
             tasks = workers + probers
-            try:  # until every request is emitted, or the first error (no server in rotation for all_down_s)
+            try:  # until all are emitted, or the first error (all down for all_down_s, too many failures)
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
                     t.result()
@@ -348,13 +343,12 @@ class HttpEngine(abc.ABC):
         async with self._session(timeout_s=self._probe_timeout()) as session:
             while state["left"] > 0 and not stop.is_set():
                 now = time.monotonic()
-                if all(not x.healthy for x in self.health.values()):
+                if all(not x.healthy or x.throttles for x in self.health.values()):  # out, or answering 429
                     state["all_down_since"] = state["all_down_since"] or now
                     if now - state["all_down_since"] > self.all_down_s:
                         errs = "; ".join(f"{x.url}: {x.last_error}" for x in self.health.values())
-                        raise EngineError(
-                            f"engine {self.name}: no server in rotation for {self.all_down_s:.0f} s ({errs})"
-                        )
+                        raise EngineError(f"engine {self.name}: no server in rotation (or all answering 429) "
+                                          f"for {self.all_down_s:.0f} s ({errs})")  # fmt: skip
                 else:
                     state["all_down_since"] = None
                 if h.healthy or now < h.next_probe:
@@ -371,51 +365,78 @@ class HttpEngine(abc.ABC):
                     h.last_error = str(e)[:300]
                     h.next_probe = time.monotonic() + self._delay(h.level)
 
-    async def _worker(self, session, url: str, work: asyncio.Queue, state: dict, emit, stop) -> None:
+    async def _worker(self, session, url: str, work: WorkQueue, state: dict, emit, stop) -> None:
         h = self.health[url]
         while state["left"] > 0 and not stop.is_set():
-            if not h.healthy:  # out of rotation: the prober decides when it takes work again
+            if not h.available(time.monotonic()):  # out of rotation (the prober decides), or after a 429
                 await asyncio.sleep(0.1)
                 continue
-            try:
-                req, attempt, t0, failed_on = await asyncio.wait_for(work.get(), timeout=0.2)
-            except TimeoutError:
+            it = await work.take(lambda x: not self._elsewhere(x, url), timeout_s=0.2)
+            if it is None:
                 continue  # other workers may still put retried requests back
-            if not h.healthy:  # taken out while this worker waited: the request goes back, uncharged
-                work.put_nowait((req, attempt, t0, failed_on))
+            if not h.available(time.monotonic()):  # taken out while this worker waited: back, uncharged
+                work.put(it, first=True)
                 continue
-            t0 = t0 or time.monotonic()  # latency counts from the first attempt, retries included
+            it.t0 = it.t0 or time.monotonic()  # latency counts from the first attempt, retries included
             if self.on_start:
-                self.on_start(req.id, url)  # 03's ledger: every attempt (readers keep the latest start)
-            sent = time.monotonic()
-            try:
-                data = await self.request_json(session, "POST", url + self.path, self.payload(req))
-                ids, finish = self.parse(req, data)
-                item = Result(req.id, ids, finish, time.monotonic() - t0, url, attempt)
-                h.answered, h.tokens, h.busy_s = (
-                    h.answered + 1,
-                    h.tokens + len(ids),
-                    h.busy_s + time.monotonic() - sent,
-                )
-            except Rejected as e:
-                item = Failure(req.id, e.reason, e.detail, url, attempt)
-            except Retryable as e:
-                now = time.monotonic()
-                h.take_out(now, e.kind, str(e), max(e.retry_after, self._delay(h.level)))
-                failed_on = failed_on | {url}
-                # the request's own fault: a timeout, or failing on every server; else the server's (uncharged)
-                charged = e.kind == "timeout" or len(failed_on) >= len(self.urls)
-                if charged and attempt >= self.max_retries:
-                    item = Failure(
-                        req.id, "retries_exhausted", f"{self.max_retries} retries, last: {e}", url, attempt
-                    )
-                else:
-                    if charged:
-                        self.retries += 1
-                    work.put_nowait((req, attempt + 1 if charged else attempt, t0, failed_on))
-                    continue
+                self.on_start(it.req.id, url)  # 03's ledger: every attempt (readers keep the latest start)
+            item = await self._attempt(session, url, it, work)
+            if item is None:
+                continue  # back in the queue
             state["left"] -= 1
             emit(item)
+            if self.budget is not None:
+                self.budget.add(item.reason if isinstance(item, Failure) else None)
+                if isinstance(item, Failure) and self.budget.exceeded():
+                    raise EngineError(f"engine {self.name}: {self.budget.summary()}: stopped early (the answers "
+                                      "are kept, a restart resumes; see errors.jsonl and meta servers)")  # fmt: skip
+
+    def _elsewhere(self, it: WorkItem, url: str) -> bool:
+        """`url` rejected it once, and another server in rotation has not: that one gives the second opinion."""
+        now = time.monotonic()
+        return url in it.rejected_on and any(
+            u not in it.rejected_on and self.health[u].available(now) for u in self.urls
+        )
+
+    async def _attempt(self, session, url: str, it: WorkItem, work: WorkQueue) -> Result | Failure | None:
+        """One try of a request on `url`: its Result or Failure, or None when it went back to the queue."""
+        h, sent = self.health[url], time.monotonic()
+        try:
+            data = await self.request_json(session, "POST", url + self.path, self.payload(it.req))
+            ids, finish = self.parse(it.req, data)
+        except Rejected as e:
+            h.fault(time.monotonic(), e.reason, str(e), self._delay(h.level), at_once=False)
+            if it.rejected_on:  # the second rejection confirms the first: the request's own
+                return Failure(it.req.id, e.reason, e.detail, url, it.attempt)
+            it.rejected_on = it.rejected_on | {url}
+            work.put(it, first=True)  # its second opinion now, not after the whole queue
+            return None
+        except Retryable as e:
+            return self._retry(url, it, e, work)
+        h.answer(len(ids), time.monotonic() - sent)
+        return Result(it.req.id, ids, finish, time.monotonic() - it.t0, url, it.attempt)
+
+    def _retry(self, url: str, it: WorkItem, e: Retryable, work: WorkQueue) -> Failure | None:
+        """A transient fault (rules: `eagle_lib.engines.faults`): back to the queue, charged when it is the
+        request's own; a Failure at max_retries charged retries."""
+        h, now = self.health[url], time.monotonic()
+        if e.kind == "http_429":  # back-pressure: nobody's fault
+            h.throttle(now, str(e), max(e.retry_after, self._delay(h.throttles)))
+            work.put(it)
+            return None
+        h.fault(
+            now, e.kind, str(e), max(e.retry_after, self._delay(h.level)), e.kind in ("refused", "timeout")
+        )
+        charged = e.kind == "timeout" or (e.kind != "refused" and url in it.failed_on)
+        it.failed_on = it.failed_on | {url}
+        if charged and it.attempt >= self.max_retries:
+            return Failure(
+                it.req.id, "retries_exhausted", f"{self.max_retries} retries, last: {e}", url, it.attempt
+            )
+        it.attempt += charged
+        self.retries += charged
+        work.put(it)
+        return None
 
 
 def _run_sync(coro):

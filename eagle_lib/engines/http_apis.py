@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from eagle_lib.engines import fingerprint as fpr
 from eagle_lib.engines.base import EngineError, Request
 from eagle_lib.engines.http import HttpEngine, Rejected, excerpt, probe_ids
 
@@ -65,7 +66,13 @@ class SGLangEngine(HttpEngine):
             if e.reason != "http_404":
                 raise
             await self._probe_by_generation(session, url, served, local)
-        return {"url": url, "model": served}
+        return {"url": url, "model": served, "fingerprint": await self.fingerprint(session, url, tokenizer)}
+
+    def fingerprint_body(self, ids: list[int]) -> dict:
+        return fpr.sglang_body(ids)
+
+    def read_fingerprint(self, ids: list[int], data) -> fpr.Fingerprint:
+        return fpr.from_sglang(ids, data)
 
     async def _probe_by_generation(self, session, url: str, served: str, local: list[int]) -> None:
         """Servers without /tokenize: the highest target id must be accepted and replies stay in the vocabulary."""
@@ -144,4 +151,11 @@ class OpenAIEngine(HttpEngine):
         )
         self.compare_tokens(url, self.model, reply.get("tokens") if isinstance(reply, dict) else None, local)
         max_len = next((m.get("max_model_len") for m in models["data"] if m.get("id") == self.model), None)
-        return {"url": url, "model": self.model, "max_model_len": max_len}
+        fp = await self.fingerprint(session, url, tokenizer)
+        return {"url": url, "model": self.model, "max_model_len": max_len, "fingerprint": fp}
+
+    def fingerprint_body(self, ids: list[int]) -> dict:
+        return fpr.openai_body(self.model, ids)
+
+    def read_fingerprint(self, ids: list[int], data) -> fpr.Fingerprint:
+        return fpr.from_openai(ids, data)

@@ -1,11 +1,12 @@
 """03's resume: what was committed before, by whom, and what must be set aside; the durable batch writer.
 
 A committed response belongs to this run only if its id is a current prompt, its prompt_ids and sampling are
-this run's, it was made by the same target (`target`: model path or hub id + revision + a config/weights
-fingerprint for the embedded engine; the served model names and engine for servers) and with the same stop
-ids. Anything else is never mixed in silently: the run stops naming the record (on_stale "error") or moves such
-records to `<dataset>/stale.jsonl` ("set_aside", appended there first, then the file replaced atomically) and
-says how many.
+this run's, it was made by the same target (`target_identity`: engine + the configured target + revision +
+config and weights fingerprints for the embedded engine, config and tokenizer fingerprints for servers, whose
+weights `engines.fingerprint` checks on every live server; never which servers are up or the paths they
+report) and with the same stop ids. Anything else is never mixed in silently: the run stops naming the record
+(on_stale "error") or moves such records to `<dataset>/stale.jsonl` ("set_aside", appended there first, then
+the file replaced atomically) and says how many.
 """
 
 from __future__ import annotations
@@ -21,11 +22,27 @@ class InferError(RuntimeError):
     """Bad input or inconsistent earlier output: names the file, the record and the reason."""
 
 
-def target_identity(engine, shared, probe: dict) -> dict:
-    """Who generates: engine + model (+ revision, config/weights fingerprint) or the served model names."""
+def target_identity(engine, shared, probe: dict | None = None, tokenizer=None) -> dict:
+    """Who generates: the engine and the model as configured (+ revision and fingerprints), the same whichever
+    servers are up (`probe`, check()'s report, is not part of it). Servers need the target `tokenizer`."""
     if engine.name != "embedded":
-        served = sorted({str(s.get("model", "?")) for s in probe.get("servers", [])})
-        return {"engine": engine.name, "model": served}
+        from eagle_lib.drafter.vocab import tokenizer_fingerprint
+
+        if tokenizer is None:
+            raise ValueError("target_identity: a server engine's identity needs the target tokenizer")
+        try:
+            config = models.load_config(shared.target, **models.hub_kwargs(shared))
+        except (OSError, ValueError) as e:
+            raise InferError(
+                f"03 names its target by its config: cannot read {shared.target}'s here ({e})"
+            ) from e
+        return {
+            "engine": engine.name,
+            "model": shared.target,  # as configured; the servers' own paths may differ from node to node
+            "revision": getattr(shared, "revision", "") or config.to_dict().get("_commit_hash", "") or "",
+            "config_sha256": models.config_fingerprint(config),
+            "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        }
     model = engine.model
     revision = getattr(shared, "revision", "") or model.config.to_dict().get("_commit_hash", "") or ""
     return {
@@ -48,6 +65,10 @@ def stale_reason(rec: dict, prompts: dict[str, dict], sampling: dict, target: di
         return f"it was sampled with {rec.get('sampling')}, this run asks {sampling}"
     if rec.get("target") != target:
         made = rec.get("target") or "an unrecorded target (written before 03 recorded its target)"
+        if isinstance(made, dict) and isinstance(made.get("model"), list):
+            made = (f"{made} (an older 03 named a served target by the model paths its servers reported, '?' for "
+                    "one down; this one by its config and tokenizer, the weights checked on every server: to keep "
+                    "these records, finish the run with the 03 that started it)")  # fmt: skip
         return f"it was made by {made}, this run's target is {target}"
     if rec.get("stop_token_ids") != stop:
         return f"it was made with stop ids {rec.get('stop_token_ids')}, this run stops at {stop}"

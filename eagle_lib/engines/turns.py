@@ -4,7 +4,8 @@ exactly once per (conversation, turn), resumable after a crash.
 The state of a conversation is never stored apart from its answers: it is REPLAYED from the committed turn
 records (``responses.jsonl``, one record per answered turn, id ``<conversation>#<turn>``, fields
 ``conversation`` and ``turn``). Replaying turn k checks that the committed record's prompt_ids equal the
-history rebuilt from turns < k (the target's own answers, parsed and rendered with its chat template), then
+history rebuilt from turns < k (the target's own answers, parsed and rendered with its chat template; an
+answer whose prompt opened the think block is parsed as starting inside its reasoning), then
 applies the continue/stop rule of `eagle_lib.data.multiturn` to its answer. So after a SIGKILL the next run
 finds every conversation at its last committed turn and asks only for the next one: no turn is generated twice
 (its record is committed before the next turn exists) and none is skipped (the next turn is derived from it).
@@ -73,6 +74,11 @@ def load(files: list[Path], convs: dict[str, dict], sampling: dict, target, stop
     return done, stale, dups
 
 
+def opens_think(encoder, prompt_ids: list[int]) -> bool:
+    """Whether this prompt ends inside an open think block (Kimi-K2.5's generation prompt ends with <think>)."""
+    return multiturn.opens_think(encoder.tok.decode(prompt_ids[-8:], skip_special_tokens=False))
+
+
 def replay(convs: dict[str, dict], done: dict[str, tuple], encoder, stop_strings: list[str]):
     """(pending turns, stop reason per finished conversation, committed ids that the replay does not reach).
 
@@ -93,7 +99,7 @@ def replay(convs: dict[str, dict], done: dict[str, tuple], encoder, stop_strings
                 break
             rec = got[0]
             reached.add(rid)
-            answer = multiturn.parse_answer(rec["text"], stop_strings)
+            answer = multiturn.parse_answer(rec["text"], stop_strings, opens_think(encoder, ids))
             more, why = multiturn.next_turn(
                 answer, rec["finish_reason"], follow[k] if k < len(follow) else None
             )

@@ -111,6 +111,7 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool, plan_session: str
     py = vllm_python()
     if not py.exists():
         raise FileNotFoundError(f"no vLLM interpreter at {py}: run scripts/install_vllm_cpu.sh")
+    buf = Path(buf).absolute()  # the command names the buffer alone, wherever it runs
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     if cpu:
         env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
@@ -134,7 +135,10 @@ def _release(procs: list[subprocess.Popen], stop_file: Path, lock) -> None:
 def external_producers(buf: Path, n: int, log=print, session: str = "") -> list[str]:
     """``start_producers: false``: the commands that serve this buffer (run them on the serving nodes, from the
     repository, with the vLLM venv), written to ``<buf>/COMMAND`` and printed; returns them. With `session` (the
-    plan's), a producer started from this command refuses a buffer that a later trainer run has planned again."""
+    plan's), a producer started from this command refuses a buffer that a later trainer run has planned again.
+    The buffer is named by its absolute path: a relative ``hidden_dump_dir`` would make the line depend on the
+    directory the serving nodes run it from."""
+    buf = Path(buf).absolute()
     tail = f" --session {session}" if session else ""
     cmds = [f".venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer {buf} --index {i} --count {n}"
             f"{tail}" for i in range(n)]  # fmt: skip
@@ -417,6 +421,7 @@ def make_source(cfg, device, hf_config, fingerprint: str):
     key = store.stable_hash({k: v for k, v in producer_cfg.items() if k in ("target", "layer_ids", "storage_dtype",
                              "model_dtype")} | {"units": units})  # fmt: skip
     root = Path(p.hidden_dump_dir) if p.hidden_dump_dir else out / "hidden_buffer"
+    root = root.absolute()  # as the producers' COMMAND names it
     buf = root / key / f"rank{distributed.world()[0]}"
     head = hidden.load_target_head(target, hf_config, producer_cfg["revision"])
     embed = hidden.load_target_embedding(target, producer_cfg["revision"])

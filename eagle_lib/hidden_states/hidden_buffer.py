@@ -15,19 +15,26 @@ One buffer directory per plan (``<root>/<plan key>/rank<r>/``)::
     producer_<i>.json      producer i's own accounting: peak/pending bytes, tokens, busy and blocked seconds
     STOP, STOP.<session>   stop every producer (by hand) / those one trainer session started
     TRAINER.lock           flock of the one trainer process reading the buffer (its pid): a second is refused
+    TRAINER.owner          where the filesystem has no flock (Lustre mounted ``noflock``: ENOSYS): {host, pid}
+                           of that trainer, created exclusively instead (`take_trainer_lock` says so when it falls
+                           back); a killed node's trainer leaves it, and the refusal names it for removal
 
 Producer ``i`` of ``n`` makes the non-empty units ``u % n == i`` in order (a unit whose sequences are all
 kept, `eagle_lib.hidden_states.hidden_store`, is planned empty and never made). A unit's file appears by rename, so a file that
 exists is complete; the trainer deletes it after use unless ``keep_hidden_states``. Each producer may hold at
 most ``max_buffer_bytes / n`` of unconsumed units plus its in-flight reservation (the engine's per-request
-scratch file and the shard being written); it blocks before starting work that would exceed that.
+scratch files and the shard being written); it blocks before starting work that would exceed that. The scratch
+lives on the producer's local disk (`vllm_producer --scratch`), not under the buffer: on shared storage every
+token would cross it four times (engine write, producer read, unit write, trainer read) instead of twice.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import socket
 from pathlib import Path
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -116,24 +123,122 @@ class Ledger:
 
 
 TRAINER_LOCK = "TRAINER.lock"  # held (flock) by the one trainer process reading a buffer; its pid inside
+TRAINER_OWNER = "TRAINER.owner"  # the lock where the filesystem has no flock: {host, pid}, made exclusively
+# flock's errors on a filesystem without it: Lustre mounted noflock (ENOSYS), NFS without a lock manager
+# (ENOLCK), FUSE and others (EOPNOTSUPP / ENOTSUP)
+NO_FLOCK = frozenset({errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def no_flock(err: OSError) -> bool:
+    """Whether `err` (raised by flock) says the filesystem has no flock at all, not that the lock is held."""
+    return not isinstance(err, BlockingIOError) and err.errno in NO_FLOCK
+
+
+def flock_error(directory: Path) -> OSError | None:
+    """The error flock raises in `directory` when its filesystem has none (`no_flock`), else None."""
+    probe = Path(directory) / f".flock_probe.{socket.gethostname()}.{os.getpid()}"
+    try:
+        with open(probe, "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+            except OSError as e:
+                if no_flock(e):
+                    return e
+                raise
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        return True  # another user's process, or an unreadable owner: assume it lives
+    return True
+
+
+class OwnerFile:
+    """The trainer lock without flock: ``TRAINER.owner`` holding {host, pid}, removed by `close` (if still
+    ours). Unlike a flock it outlives a killed process; `take_trainer_lock` takes over a dead one of this host."""
+
+    def __init__(self, path: Path, me: dict):
+        self.path, self.me, self.closed = path, me, False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if read_owner(self.path) == self.me:
+            self.path.unlink(missing_ok=True)
+
+
+def read_owner(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        return {"unreadable": str(path)}
+
+
+def take_owner_file(buf: Path, why: OSError) -> OwnerFile:
+    """The no-flock trainer lock (`OwnerFile`), printed as such; raises when a live trainer holds it (or one of
+    another host, whose life cannot be checked from here: the message names the file to remove)."""
+    path, me = buf / TRAINER_OWNER, {"host": socket.gethostname(), "pid": os.getpid()}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_owner(path)
+            if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+                path.unlink(missing_ok=True)  # a dead trainer of this host: take over
+                continue
+            raise RuntimeError(
+                f"{buf}: another trainer ({holder}) is reading this buffer; two would consume each other's units. "
+                f"The filesystem has no flock ({why}; Lustre mounted noflock?), so {path} stands in for the lock: "
+                "if that trainer is gone (a killed node), delete that file; else stop it, or give this run another "
+                "hidden_dump_dir (mounting with flock or localflock restores the automatic lock)"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me))
+        print(f"{buf}: flock unavailable here ({why}): the trainer lock is the owner file {path} instead")
+        return OwnerFile(path, me)
+    raise RuntimeError(f"{path}: could not be created or taken over")
 
 
 def take_trainer_lock(buf: Path):
     """The buffer's trainer lock (an open file holding an exclusive flock, released when closed or when the
-    process dies); raises when another trainer holds it: two consumers would take each other's units."""
+    process dies; where the filesystem has no flock, `take_owner_file`); raises when another trainer holds it:
+    two consumers would take each other's units."""
     f = open(buf / TRAINER_LOCK, "a+")  # noqa: SIM115  (held for the source's lifetime)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
         f.close()
-        raise RuntimeError(
-            f"{buf}: another trainer (pid {holder}) is reading this buffer; two would consume each other's units. "
-            "Stop it (a 05 or a killed run's surviving rank), or give this run another hidden_dump_dir"
-        ) from None
+        _held(buf)
+    except OSError as e:
+        f.close()
+        if not no_flock(e):
+            raise
+        return take_owner_file(buf, e)
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def _held(buf: Path):
+    """Raise: another trainer holds the flock of `buf` (its pid, as it wrote it)."""
+    try:
+        holder = (buf / TRAINER_LOCK).read_text().strip() or "unknown"
+    except OSError:
+        holder = "unknown"
+    raise RuntimeError(
+        f"{buf}: another trainer (pid {holder}) is reading this buffer; two would consume each other's units. "
+        "Stop it (a 05 or a killed run's surviving rank), or give this run another hidden_dump_dir"
+    ) from None

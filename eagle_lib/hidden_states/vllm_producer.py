@@ -3,6 +3,7 @@
 Run with the vLLM venv's interpreter (it pins its own torch), by the stage or by hand on a cluster::
 
     .venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer DIR [--index i --count n]
+        [--scratch LOCAL_DIR]
 
 ``DIR`` holds ``producer_config.json``, ``sequences.jsonl`` and ``plan.json`` written by the trainer
 (`eagle_lib.hidden_states.engine_hidden`; layout in `eagle_lib.hidden_states.hidden_buffer`). Every planned sequence is
@@ -11,18 +12,23 @@ one vLLM request with ``max_tokens=1`` (prefill only, no decoding); the speculat
 layer before the final norm) and a KV connector writes them per request: vLLM's own
 ``ExampleHiddenStatesConnector`` on GPU, `eagle_lib.hidden_states.vllm_connector` on CPU. The producer regroups
 them into one file per unit, cast to the storage dtype (float8 with a per-row scale, `hidden_buffer.encode`);
-a unit planned empty (all its sequences kept) is never made. Imports nothing of the main venv beyond the
-stdlib-only buffer protocol and the connector.
+a unit planned empty (all its sequences kept) is never made. The per-request files go to a scratch directory on
+the producer's own disk (``--scratch``; default `default_scratch`, under ``$TMPDIR`` or /tmp), not under the
+shared buffer: there every token would cross the shared storage four times instead of twice. The connector
+locks each request file with flock, so a scratch directory without flock is refused at start. Imports nothing
+of the main venv beyond the stdlib-only buffer protocol and the connector.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,13 +104,33 @@ def read_request_file(path: str) -> dict:
 make_engine = VllmPrefill  # tests substitute an engine with the same prefill()
 
 
+def default_scratch(buf: Path, index: int) -> Path:
+    """Producer `index`'s scratch for buffer `buf` on this machine's local disk: ``$TMPDIR`` (else /tmp) /
+    eagle3_producer/<digest of the buffer's absolute path>_<index>; one directory per buffer and producer."""
+    digest = hashlib.sha256(str(Path(buf).absolute()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "eagle3_producer" / f"{digest}_{index}"
+
+
+def check_scratch(scratch: Path, buf: Path) -> None:
+    """Refuse a scratch directory whose filesystem has no flock (the connector's per-request lock needs it): a
+    failure `record_failure` reports to the waiting trainer."""
+    err = hb.flock_error(scratch)
+    if err is not None:
+        raise RuntimeError(
+            f"{scratch}: the filesystem has no flock ({err}; Lustre mounted noflock?), which vLLM's hidden-states "
+            f"connector takes on every request file: start the producer of {buf} with --scratch on a local disk"
+        )
+
+
 class StalePlan(SystemExit):
     """The buffer's plan belongs to another trainer run than the one this producer was started for."""
 
 
 class Producer:
-    def __init__(self, buf: Path, index: int, count: int, stop_file: str = "STOP", session: str = ""):
+    def __init__(self, buf: Path, index: int, count: int, stop_file: str = "STOP", session: str = "",
+                 scratch: Path | None = None):  # fmt: skip
         self.buf, self.index, self.count, self.session = buf, index, count, session
+        self.scratch = Path(scratch) if scratch else default_scratch(buf, index)  # local disk (module doc)
         self.stop_files = [buf / "STOP", buf / stop_file]  # by hand, or by the trainer that started us
         self.cfg = hb.read_json(buf / "producer_config.json")
         if self.cfg is None:
@@ -169,13 +195,15 @@ class Producer:
                 "share_bytes": self.ledger.share,
                 "peak_buffer_bytes": self.ledger.peak,
                 "pending_bytes": self.ledger.pending(),
+                "scratch": str(self.scratch),
             },
         )
 
     def run(self) -> None:
-        scratch = self.buf / f"scratch_{self.index}"
+        scratch = self.scratch
         shutil.rmtree(scratch, ignore_errors=True)  # a killed run's per-request files
         scratch.mkdir(parents=True)
+        check_scratch(scratch, self.buf)
         for part in self.buf.glob("unit_*.part"):
             part.unlink()
         mine = self.mine(0)
@@ -229,6 +257,7 @@ class Producer:
             pos += len(batch)
             self.write_stats("running")
         self.write_stats("done")
+        shutil.rmtree(scratch, ignore_errors=True)  # every request file was read (and removed) by produce
 
     def produce(self, engine, batch: list[int]) -> None:
         import torch
@@ -277,9 +306,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--count", type=int, default=1)
     ap.add_argument("--stop-file", default="STOP", help="exit when this file appears in the buffer")
     ap.add_argument("--session", default="", help="the trainer session whose plan this producer serves")
+    ap.add_argument("--scratch", type=Path, default=None,
+                    help="local directory for the engine's per-request files (default: under $TMPDIR or /tmp)")  # fmt: skip
     a = ap.parse_args(argv)
     try:
-        Producer(a.buffer, a.index, a.count, a.stop_file, a.session).run()
+        Producer(a.buffer, a.index, a.count, a.stop_file, a.session, a.scratch).run()
     except BaseException as e:  # the trainer waits on this buffer, maybe on another node: tell it, then fail
         # SystemExit includes StalePlan: that buffer's stats are the current run's, left alone
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):

@@ -5,8 +5,8 @@ vLLM with method ``eagle``, an fc that reads one layer instead of three, a vocab
 aux layer ids outside the target (or in the other engine's convention), vLLM's default
 ``norm_before_residual: true`` applied to a drafter trained without it. Prints the exact launch commands.
 
-    python -m eagle_lib.serving.preflight DRAFTER_DIR --target TARGET [--sglang-cmd "..."] [--vllm-spec JSON]
-        [--server URL --engine vllm|sglang]
+    python -m eagle_lib.serving.preflight DRAFTER_DIR --target TARGET [--revision COMMIT] [--sglang-cmd "..."]
+        [--vllm-spec JSON] [--server URL --engine vllm|sglang]   (or --params FILE: target and pinned revision)
 
 ``--server`` also checks the running server's own account of its speculative settings
 (:mod:`eagle_lib.serving.live`, over :mod:`eagle_lib.engines.client`).
@@ -72,15 +72,16 @@ class Preflight:
         return "\n".join(lines)
 
 
-def target_text_config(target: str, trust_remote_code: bool = False) -> dict:
-    """The target's text-model config as a dict (hidden_size, num_hidden_layers, vocab_size, ...)."""
+def target_text_config(target: str, trust_remote_code: bool = False, revision: str | None = None) -> dict:
+    """The target's text-model config as a dict (hidden_size, num_hidden_layers, vocab_size, ...), from the hub
+    commit `revision` (the params' pinned ``shared.revision``: `models.hub_kwargs`) when given."""
     from eagle_lib import models
 
     path = Path(models.resolve(target))
     if path.is_file():  # a config.json given directly
         cfg = json.loads(path.read_text())
         return {"architectures": cfg.get("architectures"), **(cfg.get("text_config") or cfg)}
-    return text_config_dict(models.load_config(str(path), trust_remote_code))
+    return text_config_dict(models.load_config(str(path), trust_remote_code, revision or None))
 
 
 def text_config_dict(cfg) -> dict:
@@ -358,7 +359,7 @@ def preflight(
     except export.ExportError as e:
         return Preflight(d, "unknown", [Check("config.json", False, str(e))])
     rep = Preflight(d, fmt)
-    tcfg = target_config or target_text_config(target, trust_remote_code)
+    tcfg = target_config or target_text_config(target, trust_remote_code, launch.get("revision") or None)
     rep.checks += check_config(fmt, cfg, tcfg, trained_aux, trained_norms)
     try:
         dcfg = export.drafter_config(fmt, cfg, default_aux_layers(tcfg["num_hidden_layers"]))
@@ -395,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sglang-cmd", default="", help="the intended SGLang launch command line")
     p.add_argument("--vllm-spec", default="", help="the intended vLLM --speculative-config JSON")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--revision", default="", help="the target's hub commit (with --params: shared.revision)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size for the printed commands")
     p.add_argument("--aux-layers", default="", help="aux layers the drafter was trained on, e.g. 1,29,57")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -407,17 +409,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="the server's engine")
     p.add_argument("--num-steps", type=int, default=3, help="intended drafts per step (live check)")
     a = p.parse_args(argv)
-    launch, tcfg = {"tp": a.tp}, None
+    launch, tcfg = {"tp": a.tp, "revision": a.revision}, None
     if a.params:
-        from eagle_lib import params
+        from eagle_lib import models, params
 
         run = params.load_params(a.params)
         a.target, a.trust_remote_code = (
             a.target or run.shared.target,
             a.trust_remote_code or run.shared.trust_remote_code,
         )
-        tcfg = target_text_config(a.target, a.trust_remote_code)
-        launch = commands.launch_kwargs(run.stage("06_eval_acceptance"), run.shared, tcfg)
+        # the pinned commit (refused unpinned with remote code, as every stage does) unless --revision names one
+        a.revision = a.revision or models.hub_kwargs(run.shared)["revision"] or ""
+        tcfg = target_text_config(a.target, a.trust_remote_code, a.revision)
+        launch = commands.launch_kwargs(run.stage("06_eval_acceptance"), run.shared, tcfg) | {
+            "revision": a.revision
+        }
     if not a.target:
         p.error("--target or --params is required")
     rep = preflight(
@@ -434,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         from eagle_lib.hidden_states import vllm_preflight
 
         aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
-        rep.checks += [Check(**c) for c in vllm_preflight.check(a.target, aux, a.trust_remote_code)]
+        rep.checks += [
+            Check(**c) for c in vllm_preflight.check(a.target, aux, a.trust_remote_code, revision=a.revision)
+        ]
     if a.server:
         from eagle_lib.serving import live
 

@@ -12,7 +12,9 @@ What is Kimi-like, and why (each is a place where the toy world cannot show a de
   163585, ``<|im_end|>`` 163586, ``</think>`` 163607, ``[PAD]`` 163839); tokenizer ``eos_token`` ``[EOS]`` while
   generation_config stops on ``<|im_end|>``, as Kimi's do;
 - the tokenizer is a tiktoken-based slow tokenizer loaded as remote code (``tokenization_kimi.py``), with the
-  toy's Kimi-like chat template (thinking in the last turn only, tool calls in Kimi's markup).
+  toy's Kimi-like chat template (tool calls in Kimi's markup) made to think as Kimi-K2.5's does
+  (``MINI_KIMI_TEMPLATE``): the generation prompt opens the think block, so answers start inside the reasoning,
+  and a history keeps no reasoning up to its last answer without tool calls.
 Only ``bpe_tokens`` regular ids are reachable (a BPE trained on the toy corpus); the others up to 163,583 are
 byte strings no UTF-8 text produces (they hold 0xFF), as the toy pads its vocabulary.
 
@@ -41,6 +43,48 @@ from eagle_lib.toy import datasets, kimi_data, target, world
 from eagle_lib.toy.tokenizer import KIMI_LIKE_TEMPLATE, N_SPECIAL_SLOTS, SPECIAL_OFFSETS
 
 MINI_KIMI_VERSION = 1
+# The chat template: the toy's Kimi-like one with Kimi-K2.5's two rules about thinking, as its
+# chat_template.jinja has them (the toy's model writes <think> itself; the toy keeps the reasoning of the last
+# assistant message, whatever follows it):
+# - the generation prompt opens the think block (<think>; <think></think> with thinking: false): answers start
+#   inside the reasoning;
+# - an assistant message keeps its reasoning only after the last assistant message without tool calls (in the
+#   current tool-use chain), none with thinking: false: a prompt whose last answer is followed by a user turn
+#   shows no reasoning. Kimi's drops a final answer's own reasoning too; here the final message keeps it (the
+#   target is trained on renders that end with the answer it writes, as the toy's).
+_TEMPLATE_EDITS = [
+    (
+        "{%- set ns = namespace(last_asst=-1, call_idx=0) -%}"
+        "{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{%- set ns.last_asst = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}",
+        "{%- set ns = namespace(last_answer=-1, call_idx=0) -%}{%- for m in messages -%}"
+        "{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}{%- set ns.last_answer = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}",
+    ),
+    (
+        "{%- if loop.index0 == ns.last_asst and m.get('reasoning_content') -%}",
+        "{%- if (loop.index0 > ns.last_answer or loop.last) and m.get('reasoning_content')"
+        " and not (thinking is defined and thinking is false) -%}",
+    ),
+    (
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}",
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+        "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+        "{%- endif -%}",
+    ),
+]
+
+
+def kimi_template(toy_template: str = KIMI_LIKE_TEMPLATE) -> str:
+    """The mini-Kimi chat template: the toy's with Kimi-K2.5's thinking rules (``_TEMPLATE_EDITS``)."""
+    for old, new in _TEMPLATE_EDITS:
+        if toy_template.count(old) != 1:
+            raise RuntimeError(f"the toy's Kimi-like template no longer holds {old!r} once")
+        toy_template = toy_template.replace(old, new)
+    return toy_template
+
+
+MINI_KIMI_TEMPLATE = kimi_template()
 REMOTE_DIR = Path(__file__).parent / "kimi_remote"
 VOCAB_SIZE = 163840
 FIRST_SPECIAL = VOCAB_SIZE - N_SPECIAL_SLOTS  # 163584, as Kimi-K2.5
@@ -161,7 +205,7 @@ def write_tokenizer(out: Path, ranks: list[bytes], max_len: int) -> None:
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",  # as Kimi's tokenizer_config; generation stops on <|im_end|> (generation_config)
         "pad_token": "[PAD]",
-        "chat_template": KIMI_LIKE_TEMPLATE,
+        "chat_template": MINI_KIMI_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
         "tokenizer_class": "TikTokenTokenizer",
@@ -319,12 +363,13 @@ def save_target(out: Path, full, shape: dict, max_new: int) -> None:
 
 
 def kimi_key(recipe: dict | None = None) -> str:
-    """Hash of everything the world depends on: the recipe, the version, the toy data it trains on and the
-    remote-code files it ships."""
+    """Hash of everything the world depends on: the recipe, the version, the toy data it trains on, the
+    remote-code files and the chat template it ships."""
     toy = {k: world.RECIPE[k] for k in ("seed", "dataset_sizes", "malformed_per_dataset")}
     code = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(REMOTE_DIR.glob("*.py"))}
-    blob = json.dumps({"version": MINI_KIMI_VERSION, "recipe": recipe or RECIPE, "toy": toy, "code": code},
-                      sort_keys=True)  # fmt: skip
+    template = hashlib.sha256(MINI_KIMI_TEMPLATE.encode()).hexdigest()
+    blob = json.dumps({"version": MINI_KIMI_VERSION, "recipe": recipe or RECIPE, "toy": toy, "code": code,
+                       "chat_template": template}, sort_keys=True)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

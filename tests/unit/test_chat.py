@@ -17,11 +17,25 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from eagle_lib.data import chat, formats
 from eagle_lib.toy import datasets as toy_data
+from eagle_lib.toy import mini_kimi
 from eagle_lib.toy import tokenizer as toy_tok
 from tests.support import templates as T
 
 ALPHABET = "abcdefghij klmnop qrstuvwxyz ABC 0123456789 .,;:!?'\"-_(){}[]<>/|\\\n\téü中文🙂"
 TOOLS = T.TOOLS
+
+
+def _mini_kimi_marked() -> str:
+    """The mini-Kimi template (Kimi-K2.5's thinking rules on the toy's) with generation markers: the toy's marked
+    copy with mini-Kimi's edits, its marker moved past the <think> that the generation prompt now writes."""
+    t = mini_kimi.kimi_template(T.kimi_marked())
+    old = "assistant<|im_middle|>" + T.G + "<think>"
+    assert t.count(old) == 1
+    return t.replace(old, "assistant<|im_middle|><think>" + T.G)
+
+
+# the matrix (tests/support/templates.py) gets the mini-Kimi template here: it lives in eagle_lib.toy.mini_kimi
+T.MATRIX.setdefault("mini_kimi", (_mini_kimi_marked(), "kimi", {}))
 
 
 def _corpus() -> list[str]:
@@ -260,6 +274,35 @@ def test_each_without_reasoning_is_one_sequence_like_all():
             fast.encode(TWO).input_ids, fast.encode(TWO).loss_mask)  # fmt: skip
     # Qwen3 drops the (empty) think block the model wrote from history turns: that turn gets its own sequence
     assert [e.turns for e in encoders("qwen3")[0].encode_each(TWO)] == [[1], [0]]
+
+
+def test_mini_kimi_generation_prompt_think_opener_is_never_trained():
+    """Kimi-K2.5's generation prompt writes <think> (<think></think> with thinking: false): the model never
+    writes it, so it is the header's, not the turn's; with thinking on, the turn starts with its reasoning."""
+    fast, _ = encoders("mini_kimi")
+    assert fast.probe.header == "<|im_assistant|>assistant<|im_middle|><think>"
+    assert fast.probe.drops_history_reasoning
+    tok = T.tokenizer("mini_kimi")
+    conv = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]  # fmt: skip
+    got = fast.encode(conv)
+    assert tok.decode([t for t, m in zip(got.input_ids, got.loss_mask, strict=True) if m]) == (
+        "</think>A1<|im_end|>R2</think>A2<|im_end|>"
+    )
+    each = {k: e for e in fast.encode_each(conv) for k in e.turns}
+    first = [t for t, m in zip(each[0].input_ids, each[0].loss_mask, strict=True) if m]
+    assert tok.decode(first) == "R1</think>A1<|im_end|>"  # as the target wrote it, after its prompt's <think>
+    assert each[0].text.startswith(fast.render(conv[:1], add_generation_prompt=True))
+    off = chat.ChatEncoder(tok, {"thinking": False})
+    got = off.encode(conv[:2] + [conv[2], {"role": "assistant", "content": "A2"}])
+    assert tok.decode([t for t, m in zip(got.input_ids, got.loss_mask, strict=True) if m]) == (
+        "A1<|im_end|>A2<|im_end|>"
+    )
+
+
+@pytest.mark.parametrize("turns", ["all", "last", "each"])
+def test_every_toy_conversation_is_exact_with_the_mini_kimi_template(turns):
+    assert {check("mini_kimi", conv["messages"], conv["tools"], turns) for conv in TOY_CONVS} == {"kept"}
 
 
 # ---------------------------------------------------------------- the toy world's own Kimi-like tokenizer

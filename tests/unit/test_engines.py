@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from aiohttp import web
 
 from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine, _pick_tokens
+from eagle_lib.engines.faults import IN_A_ROW, ErrorBudget, cut_short
 from eagle_lib.engines.http_apis import OpenAIEngine, SGLangEngine
 from tests.support import models as tiny_models
-from tests.support.sglang_standin import Faults, ServerThread, StandIn, prompt_key
+from tests.support.sglang_standin import STATE, Faults, ServerThread, StandIn, prompt_key
 from tests.support.tiny import SPECIALS, build_tokenizer, build_world, make_prompts
 
 torch.set_num_threads(1)
@@ -255,20 +258,26 @@ def test_transient_faults_are_retried_until_success(world, prompts, standin):
     ref = embedded_ref(model, ps, s)
     assert all(isinstance(r, Result) for r in got.values())
     assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in ref.items()}
-    assert eng.retries == 10 and got[ps[5]["id"]].retries == 3
+    # charged: a fault from the server that already failed the request (the second 5xx or reset of one
+    # request), and the timeout; not a 429, not a request's first fault on a server (issue 42 item 7)
+    assert eng.retries == 3 and got[ps[5]["id"]].retries == 1 and got[ps[2]["id"]].retries == 0
 
 
 def test_permanent_faults_become_failures_with_reasons(world, prompts, standin):
+    """A rejection confirmed by a second one is the request's: a Failure with its reason, never charged."""
     s = Sampling(max_new_tokens=10)
     acts = ["400", "404", "malformed", "bad_schema", "out_of_vocab", "abort", "ok"]
     ps = prompts[: len(acts)]
-    standin.faults = Faults(plans={prompt_key(p["prompt_ids"]): [a] for p, a in zip(ps, acts, strict=True)})
+    standin.faults = Faults(
+        plans={prompt_key(p["prompt_ids"]): [a, a] for p, a in zip(ps, acts, strict=True)}
+    )
     standin.counts.clear()
     with ServerThread(standin) as url:
         got = {r.id: r for r in http(SGLangEngine, url, s).generate(reqs(ps))}
     reasons = [got[p["id"]].reason if isinstance(got[p["id"]], Failure) else "ok" for p in ps]
     assert reasons == ["http_400", "http_404", "malformed", "malformed", "malformed", "finish_abort", "ok"]
-    assert all(got[p["id"]].retries == 0 for p in ps)  # never retried
+    assert all(got[p["id"]].retries == 0 for p in ps)  # never charged
+    assert [standin.counts[prompt_key(p["prompt_ids"])] for p in ps] == [2] * 6 + [1]
 
 
 def test_retries_are_bounded(world, prompts, standin):
@@ -278,7 +287,7 @@ def test_retries_are_bounded(world, prompts, standin):
     with ServerThread(standin) as url:
         (r,) = http(SGLangEngine, url, Sampling(max_new_tokens=4), max_retries=3).generate(reqs([p]))
     assert isinstance(r, Failure) and r.reason == "retries_exhausted" and r.retries == 3
-    assert standin.counts[prompt_key(p["prompt_ids"])] == 4
+    assert standin.counts[prompt_key(p["prompt_ids"])] == 5  # its first 500 uncharged, then 1 + 3 retries
 
 
 def test_trimmed_stop_token_is_restored(world, prompts, standin):
@@ -475,3 +484,142 @@ def test_no_server_in_rotation_for_all_down_s_stops_the_run(world, prompts, stan
         eng = http(SGLangEngine, [dead], Sampling(max_new_tokens=4), all_down_s=0.5, backoff_s=0.1)
         with pytest.raises(EngineError, match="no server in rotation"):
             list(eng.generate(reqs(prompts[:2])))
+
+
+# ---------------------------------------------------------------- whose fault (issue 42, item 7)
+
+
+@pytest.mark.parametrize("act", ["400", "abort"])
+def test_a_node_that_rejects_everything_does_not_drain_the_queue(world, prompts, standin, act):
+    """A misconfigured node answers every request at once with a 4xx or an abort: each rejected request is
+    tried on the other server (a rejection fails a request only when a second one confirms it), the node leaves
+    the rotation after IN_A_ROW of them, and nothing goes to the errors (the old engine failed every request
+    the node took, at the speed of its replies)."""
+    d, _, model = world
+    s = Sampling(max_new_tokens=6)
+    ps = prompts[:10]
+    bad = StandIn(str(d), faults=Faults(plans={prompt_key(p["prompt_ids"]): [act] * 10 for p in ps}))
+    standin.faults = Faults()
+    with ServerThread(bad) as b, ServerThread(standin) as good:
+        eng = http(SGLangEngine, [b, good], s, concurrency=2, backoff_s=0.5, backoff_max_s=1.0)
+        got = list(eng.generate(reqs(ps)))
+    assert len(got) == 10 and all(isinstance(r, Result) and r.server == good and r.retries == 0 for r in got)
+    assert {r.id: r.output_ids for r in got} == {
+        k: r.output_ids for k, r in embedded_ref(model, ps, s).items()
+    }
+    st = {r["url"]: r for r in eng.server_stats()}
+    reason = {"400": "http_400", "abort": "finish_abort"}[act]
+    assert (
+        st[b]["answered"] == 0
+        and set(st[b]["failures"]) == {reason}
+        and st[b]["failures"][reason] >= IN_A_ROW
+    )
+    assert st[b]["seconds_out_of_rotation"] > 0 and eng.retries == 0
+
+
+def test_a_single_router_url_keeps_its_rotation_through_429_and_5xx(world, prompts, standin):
+    """Behind one router URL, a 429 is back-pressure and a lone 5xx one worker's fault: the requests are
+    retried uncharged and the only URL stays in rotation (the old engine took it out and charged each)."""
+    _, _, model = world
+    s = Sampling(max_new_tokens=6)
+    ps = prompts[:6]
+    plans = {prompt_key(p["prompt_ids"]): [a] for p, a in zip(ps, ["429", "503", "500"], strict=False)}
+    standin.faults = Faults(plans=plans)
+    standin.counts.clear()
+    with ServerThread(standin) as url:
+        eng = http(SGLangEngine, url, s)
+        got = list(eng.generate(reqs(ps)))
+    assert all(isinstance(r, Result) and r.retries == 0 for r in got) and eng.retries == 0
+    assert {r.id: r.output_ids for r in got} == {
+        k: r.output_ids for k, r in embedded_ref(model, ps, s).items()
+    }
+    (st,) = eng.server_stats()
+    assert st["in_rotation"] and st["seconds_out_of_rotation"] == 0
+    assert st["failures"] == {"http_429": 1, "http_5xx": 2}
+
+
+@web.middleware
+async def cut_first_replies(request, handler):
+    """Each prompt's first /generate reply cut to two thirds, framed as complete (Content-Length of the cut)."""
+    resp = await handler(request)
+    if request.path != "/generate" or resp.status != 200:
+        return resp
+    key, seen = prompt_key((await request.json())["input_ids"]), request.app[STATE].cut
+    if key in seen:
+        return resp
+    seen.add(key)
+    return web.Response(
+        status=200, body=resp.body[: len(resp.body) * 2 // 3], content_type="application/json"
+    )
+
+
+def test_a_reply_cut_short_is_retried_not_failed(world, prompts, monkeypatch):
+    """A well-framed body that stops midway is the transport's fault: retried, uncharged (it was a permanent
+    "malformed" failure)."""
+    import tests.support.sglang_standin as standin_module
+
+    d, _, model = world
+    real = standin_module.make_app
+
+    def make_app(state):
+        app = real(state)
+        app.middlewares.append(cut_first_replies)
+        return app
+
+    monkeypatch.setattr(standin_module, "make_app", make_app)
+    st = StandIn(str(d))
+    st.cut = set()
+    s = Sampling(max_new_tokens=6)
+    with ServerThread(st) as url:
+        eng = http(SGLangEngine, url, s)
+        got = list(eng.generate(reqs(prompts[:4])))
+    assert all(isinstance(r, Result) and r.retries == 0 for r in got) and len(got) == 4
+    ref = embedded_ref(model, prompts[:4], s)
+    assert {r.id: r.output_ids for r in got} == {k: r.output_ids for k, r in ref.items()}
+    assert eng.server_stats()[0]["failures"] == {"truncated": 4}
+
+
+def test_cut_short_tells_a_truncated_body_from_garbage():
+    """Every proper prefix of a valid reply is cut short (the reference: the prefixes, by construction); a
+    complete document and garbage are not."""
+    reply = {"text": 'héllo "quoted"\n\x1b 東京 \\ end', "output_ids": [1, 22, 333], "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 2}, "e2e_latency": -1.5e-3, "ok": True, "none": None,
+        "input_token_logprobs": [[None, 1, None], [-0.25, 22, None]]}}  # fmt: skip
+    for ascii_only in (True, False):
+        text = json.dumps(reply, ensure_ascii=ascii_only)
+        assert not cut_short(text)
+        cut = [i for i in range(len(text)) if not cut_short(text[:i])]
+        assert cut == [], (ascii_only, [text[:i][-20:] for i in cut[:5]])
+    for garbage in ("{not json", "<html><body>502 Bad Gateway</body></html>", "Internal Server Error",
+                    '{"a": 1} trailing', '{"a": [1, }, "b": 2', '{"a": 1 xyz', "[1, 2]]"):  # fmt: skip
+        assert not cut_short(garbage), garbage
+
+
+def test_too_many_failures_stop_the_run_early(world, prompts, standin):
+    """Every request rejected twice: the run stops once the failures are clearly past max_error_fraction, long
+    before the queue is drained into errors (the old engine failed all 20)."""
+    ps = prompts[:20]
+    standin.faults = Faults(plans={prompt_key(p["prompt_ids"]): ["400", "400"] for p in ps})
+    standin.counts.clear()
+    got = []
+    with ServerThread(standin) as url:
+        eng = http(SGLangEngine, url, Sampling(max_new_tokens=4), concurrency=2, max_error_fraction=0.01)
+        with pytest.raises(EngineError, match=r"10 of the 10 .* clearly past max_error_fraction 0.01"):
+            got.extend(eng.generate(reqs(ps)))
+    assert 10 <= len(got) <= 12 and all(isinstance(r, Failure) and r.reason == "http_400" for r in got)
+    assert sum(standin.counts.get(prompt_key(p["prompt_ids"]), 0) == 0 for p in ps) >= 5  # never sent
+
+
+def test_error_budget_is_the_wilson_bound():
+    """ErrorBudget's lower bound is the Wilson score interval's (scipy's, at the same z), and it trips only with
+    min_failures failures and that bound past the fraction."""
+    from scipy.stats import binomtest, norm
+
+    level = 1 - 2 * norm.sf(5.0)
+    for k, n in [(10, 10), (10, 200), (20, 1000), (3, 7), (50, 5000)]:
+        b = ErrorBudget(0.01, ok=n - k, failed=k)
+        ref = binomtest(k, n).proportion_ci(confidence_level=level, method="wilson").low
+        assert abs(b.lower_bound() - ref) < 1e-9, (k, n)
+        assert b.exceeded() == (k >= 10 and ref > 0.01)
+    assert ErrorBudget(0.01, ok=0, failed=10).exceeded() and not ErrorBudget(0.01, ok=0, failed=9).exceeded()
+    assert not ErrorBudget(0.01, ok=990, failed=10).exceeded()  # at the bound: never

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from eagle_lib import infer, infer_tables, params, store
-from eagle_lib.engines.base import Request, Sampling
+from eagle_lib.engines.base import EngineError, Request, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine
 from eagle_lib.engines.http_apis import SGLangEngine
 from eagle_lib.pipeline import REPO_ROOT
@@ -305,7 +305,7 @@ def test_faults_summary_and_retry_of_errors(world, tmp_path):
     prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
     plans = {
         prompt_key(p["prompt_ids"]): a
-        for p, a in zip(prompts, [["400"], ["malformed"], ["500", "429"]] * 2, strict=False)
+        for p, a in zip(prompts, [["400", "400"], ["malformed"] * 2, ["500", "429"]] * 2, strict=False)
     }
     standin = StandIn(str(d), faults=Faults(plans=plans))
     with ServerThread(standin) as url:
@@ -330,6 +330,27 @@ def test_faults_summary_and_retry_of_errors(world, tmp_path):
     assert (meta["kept"], meta["rejected"], meta["datasets"]["a"]["generated"]) == (10, 0, 4)
     assert {r["id"]: r["output_ids"] for r in records(run, "a")} == reference(d, prompts)
     assert all(r["engine"] == "sglang" and r["server"] == url for r in records(run, "a"))
+
+
+def test_stage_stops_early_when_failures_are_clearly_too_many(world, tmp_path):
+    """A server that rejects every request: 03 stops once the failures are clearly past max_error_fraction,
+    leaving most prompts pending rather than in errors.jsonl (the old 03 failed all 40, then the stage); fixed,
+    a restart answers every prompt."""
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 40})
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    standin = StandIn(
+        str(d), faults=Faults(plans={prompt_key(p["prompt_ids"]): ["400"] * 2 for p in prompts})
+    )
+    with ServerThread(standin) as url:
+        http = {"engine": "sglang", "server_urls": [url], "concurrency": 2, "timeout_s": 20.0}
+        with pytest.raises(EngineError, match="clearly past max_error_fraction 0.01"):
+            infer.run(config(run, d, **http))
+        assert 10 <= len(store.read_jsonl(run / "infer/a/errors.jsonl")) <= 12
+        standin.faults = Faults()
+        meta = infer.run(config(run, d, **http))
+    assert (meta["kept"], meta["rejected"]) == (40, 0)
+    assert {r["id"]: r["output_ids"] for r in records(run, "a")} == reference(d, prompts)
 
 
 def test_stage_fails_fast_when_the_server_is_down(world, tmp_path, monkeypatch):

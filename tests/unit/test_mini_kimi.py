@@ -1,5 +1,6 @@
 """The mini-Kimi world's parts that need no trained target: its remote-code tiktoken tokenizer (Kimi's ids, Kimi's
-layout, masks exact against tiktoken itself), the hub-layout folders, and the compact-head expansion."""
+layout, masks exact against tiktoken itself), its chat template (Kimi-K2.5's generation prompt and history rule)
+and the each_turn histories replayed with it, the hub-layout folders, and the compact-head expansion."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 import tiktoken
 import torch
 from transformers import AutoTokenizer
+from transformers.utils.chat_template_utils import render_jinja_template
 
-from eagle_lib.data import chat
+from eagle_lib.data import chat, multiturn
+from eagle_lib.engines import turns
 from eagle_lib.toy import datasets, kimi_data, mini_kimi, target
 from eagle_lib.toy.kimi_remote import tokenization_kimi
 from tests.support import templates as T
@@ -58,7 +61,7 @@ def test_loads_as_remote_code_with_kimis_vocabulary_and_special_ids(tok):
     assert len(tok) == 163840
     assert {name: tok.convert_tokens_to_ids(name) for name in KIMI_IDS} == KIMI_IDS
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (163584, 163585, 163839)
-    assert tok.chat_template == mini_kimi.KIMI_LIKE_TEMPLATE
+    assert tok.chat_template == mini_kimi.MINI_KIMI_TEMPLATE
 
 
 def test_encoding_equals_tiktoken_and_round_trips(tok, reference):
@@ -79,13 +82,35 @@ def test_ids_above_the_trained_bpe_are_unreachable(tok, built, reference):
         pad.decode("utf-8")
 
 
+def marked_template() -> str:
+    """The mini-Kimi template with generation markers: what the model writes starts after the <think> that the
+    generation prompt wrote (the toy's marked copy, given mini-Kimi's edits, its marker moved past <think>)."""
+    t = mini_kimi.kimi_template(T.kimi_marked())
+    old = "assistant<|im_middle|>" + T.G + "<think>"
+    assert t.count(old) == 1
+    return t.replace(old, "assistant<|im_middle|><think>" + T.G)
+
+
+def test_marked_copy_renders_exactly_like_the_mini_kimi_template(tok):
+    plain = T.strip_markers(marked_template())
+    for c in convs():
+        want = tok.apply_chat_template(c["messages"], tools=c["tools"] or None, tokenize=False)
+        got = render_jinja_template(
+            conversations=[c["messages"]], tools=c["tools"] or None, chat_template=plain
+        )
+        assert got[0][0] == want
+
+
 def test_chat_masks_are_exact_against_tiktoken_offsets(tok, reference):
     """Loss masks through the slow-tokenizer path equal the reference: the marked template's generation blocks,
-    tokens located by tiktoken's own decode_with_offsets."""
-    enc, n = chat.ChatEncoder(tok), 0
+    tokens located by tiktoken's own decode_with_offsets. The <think> of the generation prompt is not trained:
+    the model never writes it."""
+    enc, n, marked = chat.ChatEncoder(tok), 0, marked_template()
     for c in convs():
         got = enc.encode(c["messages"], c["tools"])
-        text, spans = T.reference_render("kimi", c["messages"], c["tools"])
+        texts, spans = render_jinja_template(conversations=[c["messages"]], tools=c["tools"] or None,
+                                             chat_template=marked, return_assistant_tokens_mask=True)  # fmt: skip
+        text, spans = texts[0], [(a, b) for a, b in spans[0] if b > a]
         ids = reference.encode(text, allowed_special="all")
         _, starts = reference.decode_with_offsets(ids)
         ends = starts[1:] + [len(text)]
@@ -94,7 +119,134 @@ def test_chat_masks_are_exact_against_tiktoken_offsets(tok, reference):
         ]
         assert (got.input_ids, got.loss_mask) == (ids, mask)
         n += sum(mask)
+        runs = [i for i in range(1, len(ids)) if mask[i] and not mask[i - 1]]
+        assert runs and all(ids[i - 1] == KIMI_IDS["<think>"] for i in runs)  # the prompt's, untrained
     assert n > 1000
+
+
+# ---------------------------------------------------------------- thinking as Kimi-K2.5's template does
+
+U, A = "<|im_user|>user<|im_middle|>", "<|im_assistant|>assistant<|im_middle|>"
+CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')  # fmt: skip
+RESULT = "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n5 C<|im_end|>"
+WEATHER = {"id": "functions.get_weather:0", "type": "function",
+           "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+# a conversation 02 (turn: each_turn) makes: the first prompt, then what follows each of the target's answers
+CONV = {"messages": [{"role": "user", "content": "Weather?"}], "tools": None, "source": "test",
+        "followups": [{"calls": [], "messages": [{"role": "user", "content": "Oslo"}]},
+                      {"calls": [WEATHER], "messages": [{"role": "tool", "tool_call_id": "", "content": "5 C"}]},
+                      {"calls": [], "messages": [{"role": "user", "content": "And Rome?"}]}]}  # fmt: skip
+
+
+def test_generation_prompt_opens_the_think_block_as_kimis_does(tok):
+    """Kimi-K2.5's chat_template.jinja ends the generation prompt with <think> (<think></think> with
+    thinking: false): its answers start inside the reasoning. The texts are typed in."""
+    hi = [{"role": "user", "content": "Hi"}]
+    assert (
+        tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False)
+        == f"{U}Hi<|im_end|>{A}<think>"
+    )
+    no_thinking = tok.apply_chat_template(hi, add_generation_prompt=True, tokenize=False, thinking=False)
+    assert no_thinking == f"{U}Hi<|im_end|>{A}<think></think>"
+    ids = tok.apply_chat_template(hi, add_generation_prompt=True, return_dict=False)
+    assert ids[-2:] == [KIMI_IDS["<|im_middle|>"], KIMI_IDS["<think>"]]
+
+
+def test_history_keeps_reasoning_only_in_the_current_tool_chain(tok):
+    """Kimi-K2.5's rule: no reasoning up to the last answer without tool calls; the tool calls after it keep
+    theirs. A final message keeps its own (the renders the target is trained on)."""
+    ask = {"role": "assistant", "content": "Which city?", "reasoning_content": "Ask which."}
+    calls = {"role": "assistant", "content": "", "reasoning_content": "Call it.", "tool_calls": [WEATHER]}
+    msgs = [{"role": "user", "content": "Weather?"}, ask, {"role": "user", "content": "Oslo"}]
+    tool = {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "5 C"}
+
+    def prompt(m):
+        return tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+
+    history = f"{U}Weather?<|im_end|>{A}<think></think>Which city?<|im_end|>{U}Oslo<|im_end|>"
+    assert prompt(msgs) == f"{history}{A}<think>"
+    assert (
+        prompt(msgs + [calls, tool])
+        == f"{history}{A}<think>Call it.</think>{CALL}<|im_end|>{RESULT}{A}<think>"
+    )
+    final = tok.apply_chat_template(msgs[:2], tokenize=False)
+    assert final == f"{U}Weather?<|im_end|>{A}<think>Ask which.</think>Which city?<|im_end|>"
+
+
+def answer_turns(enc, conv: dict, answers: list[tuple[str, str]]):
+    """03's each_turn loop without an engine: replay the committed turns, commit the pending turn's record with
+    the next (text, finish_reason), again; returns (records, pending, stopped) of the last replay."""
+    done: dict = {}
+    recs: list[dict] = []
+    convs = {"c": conv | {"prompt_ids": enc.encode_prompt(conv["messages"], conv["tools"])}}
+    for text, finish in answers:
+        pending, stopped, _ = turns.replay(convs, done, enc, ["<|im_end|>"])
+        assert not stopped and [p.turn for p in pending] == [len(recs)]
+        out = enc.tok.encode(text, add_special_tokens=False)
+        rec = {"id": pending[0].id, "conversation": "c", "turn": pending[0].turn, "prompt_ids": pending[0].prompt_ids,
+               "output_ids": out, "n_output_tokens": len(out), "finish_reason": finish,
+               "text": enc.tok.decode(out, skip_special_tokens=False)}  # fmt: skip
+        recs.append(rec)
+        done[rec["id"]] = (rec, Path("responses.jsonl"))
+    pending, stopped, unreached = turns.replay(convs, done, enc, ["<|im_end|>"])
+    assert not unreached
+    return recs, pending, stopped
+
+
+def test_each_turn_histories_carry_no_reasoning_when_the_prompt_opens_the_think_block(tok):
+    """Kimi's answers start inside the reasoning: each is replayed as reasoning + content, so a history up to a
+    user turn has none, and a tool chain keeps its calls' reasoning in their think blocks (never as content).
+    The prompts are typed in."""
+    enc = chat.ChatEncoder(tok)
+    answers = [("Ask which.</think>Which city?<|im_end|>", "stop"),
+               (f"Call it.</think>{CALL}<|im_end|>", "stop"),
+               ("Report.</think>It is 5 C.<|im_end|>", "stop"),
+               ("Look up Rome.</think>No idea.<|im_end|>", "stop")]  # fmt: skip
+    recs, pending, stopped = answer_turns(enc, CONV, answers)
+    first = f"{U}Weather?<|im_end|>{A}<think>"
+    second = f"{U}Weather?<|im_end|>{A}<think></think>Which city?<|im_end|>{U}Oslo<|im_end|>{A}<think>"
+    third = f"{second}Call it.</think>{CALL}<|im_end|>{RESULT}{A}<think>"
+    fourth = (f"{U}Weather?<|im_end|>{A}<think></think>Which city?<|im_end|>{U}Oslo<|im_end|>"
+              f"{A}<think></think>{CALL}<|im_end|>{RESULT}{A}<think></think>It is 5 C.<|im_end|>"
+              f"{U}And Rome?<|im_end|>{A}<think>")  # fmt: skip
+    assert [tok.decode(r["prompt_ids"]) for r in recs] == [first, second, third, fourth]
+    assert pending == [] and stopped == {"c": "complete"}
+    # 05 trains what the target wrote (the opener <think> is the prompt's), each answer once
+    seqs = list(multiturn.training_records(recs))
+    assert [r["turns"] for r, _, _ in seqs] == [[0], [1, 2], [3]]  # turns 1-2: one tool chain, one sequence
+    for (r, ids, mask), text in zip(seqs, [first, third, fourth], strict=True):
+        outs = [answers[k][0] for k in r["turns"]]
+        assert tok.decode(ids) == text + outs[-1]
+        assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "".join(outs)
+        assert all(
+            ids[i - 1] == KIMI_IDS["<think>"] for i in range(1, len(ids)) if mask[i] and not mask[i - 1]
+        )
+
+
+def test_each_turn_answer_that_never_closes_its_reasoning_ends_the_conversation(tok):
+    """Cut at max_new_tokens inside the reasoning, or stopped there: no answer to replay (none with half a
+    reasoning as its content); the conversation stops with the reason."""
+    enc = chat.ChatEncoder(tok)
+    for finish, why in [("length", "length"), ("stop", "unparsable")]:
+        text = "Ask which city, or" + ("<|im_end|>" if finish == "stop" else "")
+        recs, pending, stopped = answer_turns(enc, CONV, [(text, finish)])
+        assert len(recs) == 1 and pending == [] and stopped == {"c": why}
+
+
+def test_each_turn_with_thinking_off_and_with_the_toy_template(tok):
+    """Thinking off: the prompt closes the think block, the answer is all content. The toy's template (the model
+    writes <think>; the last answer keeps its reasoning) still parses the answer's own think block."""
+    off = chat.ChatEncoder(tok, {"thinking": False})
+    recs, pending, _ = answer_turns(off, CONV, [("Which city?<|im_end|>", "stop")])
+    want = f"{U}Weather?<|im_end|>{A}<think></think>Which city?<|im_end|>{U}Oslo<|im_end|>{A}<think></think>"
+    assert tok.decode(pending[0].prompt_ids) == want
+    toy = T.tokenizer("kimi")
+    answer = "<think>Ask which.</think>Which city?<|im_end|>"
+    recs, pending, _ = answer_turns(chat.ChatEncoder(toy), CONV, [(answer, "stop")])
+    want = f"{U}Weather?<|im_end|>{A}<think>Ask which.</think>Which city?<|im_end|>{U}Oslo<|im_end|>{A}"
+    assert toy.decode(recs[0]["prompt_ids"]) == f"{U}Weather?<|im_end|>{A}"
+    assert toy.decode(pending[0].prompt_ids) == want
 
 
 def test_remote_code_imports_only_what_a_hub_repo_may():

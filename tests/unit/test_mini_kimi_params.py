@@ -40,6 +40,8 @@ ALLOWED: dict[str, str] = {
     "stages.05_train_eagle3.checkpoint_every": "size",
     "stages.05_train_eagle3.log_every": "size",
     "stages.06_eval_acceptance.online_engine": "machine: SGLang cannot serve on these CPUs, vLLM CPU does",
+    "stages.06_eval_acceptance.online_format": "machine: the export the engine serves (SGLang: sglang, vLLM here: "
+    "speculators), which the live check compares with the server's draft path",
     "stages.06_eval_acceptance.online_url": "URL",
     "stages.06_eval_acceptance.online_max_prompts": "size",
     "stages.06_eval_acceptance.online_concurrency": "size",

@@ -90,6 +90,51 @@ def test_split_turns_and_the_continue_or_stop_rule():
     assert len(multiturn.split_turns(ends_on_user)[1]) == 2  # its last user turn is answered too
 
 
+def test_parse_answer_splits_reasoning_whether_the_prompt_or_the_answer_opened_the_think_block():
+    """Kimi-K2.5's prompt ends with <think> (the answer starts inside the reasoning); the toy's model writes
+    <think> itself; a template without thinking gives plain content. The reasoning never lands in the content."""
+    want = {"role": "assistant", "content": "It is 5 C.", "reasoning_content": "Look it up."}
+    stop = ["<|im_end|>"]
+    assert multiturn.parse_answer("Look it up.</think>It is 5 C.<|im_end|>", stop, think_open=True) == want
+    assert multiturn.parse_answer("<think>Look it up.</think>It is 5 C.<|im_end|>", stop) == want
+    assert multiturn.parse_answer("It is 5 C.<|im_end|>", stop) == {
+        "role": "assistant",
+        "content": "It is 5 C.",
+    }
+    assert multiturn.parse_answer("</think>It is 5 C.", stop, think_open=True) == {
+        "role": "assistant",
+        "content": "It is 5 C.",
+    }  # an empty reasoning
+    calls = multiturn.parse_answer(
+        "Call it.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_price:0"
+        '<|tool_call_argument_begin|>{"symbol": "MSFT"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        stop,
+        think_open=True,
+    )
+    assert calls == {"role": "assistant", "content": "", "reasoning_content": "Call it.",
+                     "tool_calls": [call("get_price", '{"symbol": "MSFT"}')]}  # fmt: skip
+
+
+def test_an_answer_whose_think_block_never_closes_is_not_replayed():
+    """Cut at max_new_tokens inside the reasoning (or stopped there): no message to replay, so the conversation
+    stops (length, unparsable) instead of feeding half a reasoning back as the answer's content."""
+    follow = {"calls": [], "messages": [{"role": "user", "content": "And then?"}]}
+    for text, think_open in [("Still thinking about", True), ("<think>Still thinking about", False)]:
+        assert multiturn.parse_answer(text, ["<|im_end|>"], think_open=think_open) is None
+        assert multiturn.parse_answer(text + "<|im_end|>", ["<|im_end|>"], think_open=think_open) is None
+    assert multiturn.next_turn(None, "length", follow) == (None, "length")
+    assert multiturn.next_turn(None, "stop", follow) == (None, "unparsable")
+    assert multiturn.next_turn(None, "stop", None) == (None, "complete")
+
+
+def test_opens_think_reads_the_end_of_the_prompt():
+    assert multiturn.opens_think("<|im_assistant|>assistant<|im_middle|><think>")  # Kimi-K2.5
+    assert multiturn.opens_think("<|im_start|>assistant\n<think>\n")  # opened, then a newline
+    assert not multiturn.opens_think("<|im_assistant|>assistant<|im_middle|>")  # the toy: the model writes it
+    assert not multiturn.opens_think("<|im_middle|><think></think>")  # Kimi-K2.5 with thinking: false
+    assert not multiturn.opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, no thinking
+
+
 @pytest.fixture(scope="module")
 def toy():
     shared = params.SharedParams(target="toy://target", num_workers=1, max_new_tokens=NEW)
@@ -143,6 +188,7 @@ def test_every_turn_answered_with_its_own_history(toy, answered):
         "length",
         "tool_call_mismatch",
         "too_long",
+        "unparsable",
     }
     later = 0
     for name in ("glaive", "ultrachat", "sharegpt"):

@@ -55,3 +55,18 @@ def test_parameter_defaults_match_params_model(spec):
     defaults = {**SharedParams().model_dump(), **spec.params_model()().model_dump(mode="json")}
     for key, value in defaults.items():
         assert json.loads(json.dumps(eval(declared[key]["default"]))) == json.loads(json.dumps(value)), key
+
+
+@pytest.mark.parametrize("spec", NOTEBOOKS, ids=lambda s: s.name)
+def test_every_cell_has_a_unique_id(spec):
+    """nbformat 4.5 cells carry ids; without them every run printed nbformat's MissingIDFieldWarning."""
+    import warnings
+
+    import nbformat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MissingIDFieldWarning, or any other validation warning, fails
+        nb = nbformat.read(REPO_ROOT / spec.notebook, as_version=4)
+        nbformat.validate(nb)
+    ids = [c.get("id") for c in nb.cells]
+    assert all(ids) and len(set(ids)) == len(ids), f"{spec.notebook}: cells without ids or with repeated ids"
