@@ -103,14 +103,15 @@ def later_turns(schema: str, row: dict) -> list[str]:
     return _later_turns(row, keys) if keys else []
 
 
-STUB_PREFIX = "FULL BENCHMARK DATA SHOULD BE FETCHED"  # SPEED-Bench's placeholder for rows built elsewhere
+# the opening of SPEED-Bench rows whose prompts are built elsewhere (NVIDIA's prepare_data.py)
+FETCH_ELSEWHERE_PREFIX = "FULL BENCHMARK DATA SHOULD BE FETCHED"
 
 
 def is_stub(schema: str, row: dict) -> bool:
-    """A SPEED-Bench row whose turns are NVIDIA's placeholder (to be rebuilt from other datasets), not a prompt."""
+    """A SPEED-Bench row whose turns say to fetch the data elsewhere (rebuilt from other datasets), not a prompt."""
     turns = row.get("turns") if schema == "speed_bench" else None
     return isinstance(turns, list) and any(
-        isinstance(t, str) and t.lstrip().startswith(STUB_PREFIX) for t in turns
+        isinstance(t, str) and t.lstrip().startswith(FETCH_ELSEWHERE_PREFIX) for t in turns
     )
 
 
@@ -191,10 +192,10 @@ def read(es: EvalSet, tokenizer, max_prompt_tokens: int) -> tuple[list[dict], di
         out.append(rec)
     if dropped["stub"]:
         print(f"06 eval set {es.name}: refused {dropped['stub']} SPEED-Bench stub row(s) of {es.path} (turns "
-              f"'{STUB_PREFIX}...': NVIDIA's loader rebuilds them from other datasets); {len(out)} prompts kept")  # fmt: skip
+              f"'{FETCH_ELSEWHERE_PREFIX}...': NVIDIA's loader rebuilds them from other datasets); {len(out)} prompts kept")  # fmt: skip
     if not out:
         stubs = (
-            f"; {dropped['stub']} of them are SPEED-Bench stubs ('{STUB_PREFIX}...'): rebuild them with "
+            f"; {dropped['stub']} of them are SPEED-Bench stubs ('{FETCH_ELSEWHERE_PREFIX}...'): rebuild them with "
             "Model-Optimizer's examples/specdec_bench/prepare_data.py and point path at its parquet"
             if dropped["stub"] else ""
         )  # fmt: skip
