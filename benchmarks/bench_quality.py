@@ -30,6 +30,11 @@ each as the EAGLE-3 drafter of the toy target (our speculators-format export, an
 `save_pretrained` output), and tau is read from vLLM's spec-decoding counters on the same held-out prompts (vLLM
 counts drafts uncut at the token budget, so its tau is compared between the two servers, not with the offline one).
 
+On a real model's run, ``--params params/smollm2.yaml --run-dir <run> --seeds 0 1 2``: benchmarks/quality_real.py
+(its docstring has the rules): the run's 05 recipe and kept hidden states for all three sides, each side's own
+optimizer and loss, tau on MT-Bench, HumanEval and held-out prompts at T=0 and T=1, means over seeds and the
+steps ours needs to reach each peer's final tau. ``--vllm`` serves the toy's exports only.
+
 speculators runs in its own venv (`make bench-env`), as in bench_train.py. Wall time is measured on each side
 and includes the target's forward; on a shared CPU it varies with the load, the step counts do not.
 """
@@ -79,14 +84,15 @@ def _target_features(target, aux_layers: list[int], ids):
     return torch.cat([got[i][0] for i in aux_layers], -1), got[len(layers) - 1][0]
 
 
-def _speculators_batch(target, aux_layers, data, m: int):
-    """Micro-batch m as speculators trains on it: each sequence shifted by its `shift_batch`, all in one row."""
+def _speculators_batch(target, aux_layers, data, m: int, feats=None):
+    """Micro-batch m as speculators trains on it: each sequence shifted by its `shift_batch`, all in one row.
+    Hidden states from the target, or (real-model mode) `feats(key, n)`: the run's kept ones (stored_features)."""
     import torch
     from speculators.models.eagle3.data import shift_batch
 
     parts = []
-    for ids, mask in data["steps"][m]:
-        aux, last = _target_features(target, aux_layers, ids)
+    for ids, mask, *key in data["steps"][m]:
+        aux, last = feats(key[0], len(ids)) if feats else _target_features(target, aux_layers, ids)
         n = len(ids)
         parts.append(
             shift_batch(
@@ -123,7 +129,13 @@ def worker_speculators(spec_path: str) -> dict:
     spec = json.loads(Path(spec_path).read_text())
     torch.manual_seed(spec["seed"])
     vmap = load_file(spec["vocab_map"])
-    target = AutoModelForCausalLM.from_pretrained(spec["target"]).eval()
+    feats = None
+    if spec.get("features"):  # real-model mode: the run's kept hidden states, the same for every side
+        from stored_features import StoredFeatures
+
+        feats, target = StoredFeatures(spec["features"]), None
+    else:
+        target = AutoModelForCausalLM.from_pretrained(spec["target"]).eval()
     layer = AutoConfig.from_pretrained(spec["target"])
     layer.num_hidden_layers = 1
     layer.intermediate_size = (
@@ -154,18 +166,19 @@ def worker_speculators(spec_path: str) -> dict:
     for name in ("embed_tokens", "verifier_lm_head", "verifier_norm"):
         getattr(model, name).requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        trainable, lr=spec["lr"], betas=tuple(spec["betas"]), weight_decay=spec["weight_decay"]
-    )
-    total = len(spec["steps"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, spec["warmup"], total, spec["min_lr_ratio"])
-    )
+    opts = _speculators_optimizers(model, trainable, spec)
+    total, save_at = len(spec["steps"]), set(spec.get("save_at", []))
+    scheds = [
+        torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: lr_factor(s, spec["warmup"], total, spec["min_lr_ratio"])
+        )
+        for o in opts
+    ]
     loss_cfg = resolve_loss_config("kl_div", "eager")
-    data, train_s = {"steps": spec["steps"]}, 0.0
+    data, train_s, losses = {"steps": spec["steps"]}, 0.0, []
     for m in range(total):
         t0 = time.perf_counter()
-        b = _speculators_batch(target, spec["aux_layers"], data, m)
+        b = _speculators_batch(target, spec["aux_layers"], data, m, feats)
         _, loss, _ = model(
             b["hidden_states"],
             b["input_ids"],
@@ -179,12 +192,43 @@ def worker_speculators(spec_path: str) -> dict:
         )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, spec["grad_clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+        for o, s in zip(opts, scheds, strict=True):
+            o.step()
+            o.zero_grad(set_to_none=True)
+            s.step()
         train_s += time.perf_counter() - t0
-    model.save_pretrained(spec["out"])
-    return {"train_s": train_s, "final_loss": float(loss), "out": spec["out"]}
+        losses.append(float(loss.detach()))
+        print(
+            f"step {m + 1}/{total} loss {losses[-1]:.4f} {time.perf_counter() - t0:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        if m + 1 in save_at:  # the steps-to-quality points (real-model mode)
+            model.save_pretrained(str(Path(spec["out"]) / f"step_{m + 1}"))
+    out = {"train_s": train_s, "final_loss": losses[-1], "out": spec["out"], "losses": losses}
+    if save_at:
+        (Path(spec["out"]) / "result.json").write_text(json.dumps(out))
+    else:
+        model.save_pretrained(spec["out"])
+    return out
+
+
+def _speculators_optimizers(model, trainable, spec: dict) -> list:
+    """AdamW with the spec's betas / weight decay (the toy comparison), or with ``optimizer: muon``
+    speculators' own default pair (`speculators.train.optimizers.build_optimizers` with its CLI's
+    `OptimizerArgs` defaults: Muon on the 2-D hidden matrices, AdamW elsewhere, its momentum and weight decays)
+    at the spec's lr."""
+    import torch
+
+    if spec.get("optimizer", "adamw") == "adamw":
+        return [torch.optim.AdamW(trainable, lr=spec["lr"], betas=tuple(spec["betas"]),
+                                  weight_decay=spec["weight_decay"])]  # fmt: skip
+    from speculators.train.config.schema import OptimizerArgs
+    from speculators.train.optimizers import build_optimizers
+
+    # its CLI's defaults (muon_lr None: --lr's), at the spec's lr
+    cfg = OptimizerArgs().model_copy(update={"optimizer": "muon", "lr": spec["lr"], "muon_lr": spec["lr"]})
+    return build_optimizers(model, cfg)
 
 
 # --- our side and the comparison (runs in .venv) ---------------------------------------------------------------
@@ -318,19 +362,29 @@ def _lossless(target, prompts: list, served: dict, new_tokens: int) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", default=str(ROOT / "outputs" / "toy"))
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument(
+        "--params",
+        default="",
+        help="a real recipe (params/smollm2.yaml): the real-model mode (benchmarks/quality_real.py)",
+    )
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (toy 80; real: 05's max_steps)")
     ap.add_argument("--k", type=int, default=3, help="TTT steps of both sides (matched k)")
     ap.add_argument("--decay", type=float, default=1.0, help="per-step loss decay of both sides")
     ap.add_argument("--ours-preset", default="custom", help="custom: --k / --decay; or a stage-05 preset")
     ap.add_argument("--lr", type=float, default=1e-2, help="peak LR of both sides (the toy recipe's)")
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=None, help="toy 10; real: 05's, scaled with --steps")
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--pack-len", type=int, default=1024)
     ap.add_argument(
         "--rows", type=int, default=2, help="packed rows per step (speculators: one row of them all)"
     )
-    ap.add_argument("--prompts", type=int, default=24, help="held-out prompts decoded per side")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="held-out prompts decoded per side (toy 24; real: a cap per dataset, 0: 06's)",
+    )
+    ap.add_argument("--new-tokens", type=int, default=None, help="toy 64; real: 06's eval_max_new_tokens")
     ap.add_argument(
         "--drafts", type=int, default=3, help="drafts per verify step when decoding (06's num_steps)"
     )
@@ -362,7 +416,18 @@ def main() -> None:
         choices=["greedy", "probabilistic"],
         help="drafts at T > 0, both sides: probabilistic = vLLM's draft_sample_method (q = softmax(z / T))",
     )
-    ap.add_argument("--reps", type=int, default=3, help="sampling seeds a prompt at T > 0 (sums pooled)")
+    ap.add_argument("--reps", type=int, default=None, help="sampling seeds a prompt at T > 0 (toy 3, real 1)")
+    # the real-model mode (--params): benchmarks/quality_real.py
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="real: training seeds (init + data order)"
+    )
+    ap.add_argument("--sampled-prompts", type=int, default=0, help="real: T=1 prompts a dataset (0: 06's)")
+    ap.add_argument("--peer-lr", type=float, default=0.0, help="real: the peers' peak lr (0: ours, 05's)")
+    ap.add_argument("--sf-decay", type=float, default=0.8, help="real: SpecForge's TTT decay (its default)")
+    ap.add_argument(
+        "--work-dir", default="", help="real: where jobs write (a rerun resumes); default a new one"
+    )
+    ap.add_argument("--jobs", type=int, default=0, help="real: jobs at once, one per core (0: every core)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -371,6 +436,15 @@ def main() -> None:
         torch.set_num_threads(1)
         print(json.dumps(worker_speculators(a.worker)))
         return
+    if a.params:
+        import quality_real
+
+        a.reps = 1 if a.reps is None else a.reps
+        quality_real.main(a)
+        return
+    for name, toy in (("steps", 80), ("warmup", 10), ("prompts", 24), ("new_tokens", 64), ("reps", 3)):
+        if getattr(a, name) is None:
+            setattr(a, name, toy)
     if not Path(a.spec_python).exists():
         sys.exit(f"{a.spec_python} missing: run `make bench-env` first")
     if not Path(a.sf_python).exists():

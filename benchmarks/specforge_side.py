@@ -4,7 +4,10 @@
 
 Reads the spec bench_quality.py writes for its speculators worker (target, aux_layers, intermediate_size, k,
 decay, lr, betas, weight_decay, warmup, min_lr_ratio, grad_clip, seed, vocab_map, steps, out, attention;
-optional: ``export_dtype`` float32 (default) or bfloat16, ``compile`` false (default) or true) and trains
+optional: ``export_dtype`` float32 (default) or bfloat16, ``compile`` false (default) or true; ``features``: the
+run's kept hidden states (benchmarks/stored_features.py; steps entries then end in each sequence's key), read
+instead of running the target, its final norm applied to the last layer; ``save_at``: steps after which the
+draft is exported to ``out/step_<n>``, the result then written to ``out/result.json``) and trains
 SpecForge's own draft model with SpecForge's own TTT forward and loss, one optimizer step per ``steps`` entry,
 then saves it in the SGLang / EAGLE layout that ``eagle_lib.serving.export.load_export`` reads. Imports
 nothing from eagle_lib. The last line on stdout is one JSON object: train_s (the step loop, target forward
@@ -179,13 +182,20 @@ def _collate(samples: list[dict]) -> dict:
     return {k: torch.cat([pad(s[k]) for s in samples]) for k in samples[0]}
 
 
-def _micro_batch(target, aux_layers, sequences, normalize) -> dict:
-    """One optimizer step's sequences as SpecForge's offline EAGLE-3 batch: one row per sequence, padded."""
+def _micro_batch(target, aux_layers, sequences, normalize, feats=None) -> dict:
+    """One optimizer step's sequences as SpecForge's offline EAGLE-3 batch: one row per sequence, padded.
+    Hidden states from the target, or (`feats`, real-model mode) the run's kept ones with the target's final
+    norm applied to the last layer (SpecForge's capture stores the lm_head input)."""
     import torch
 
     samples = []
-    for ids, mask in sequences:
-        aux, last = _target_features(target, aux_layers, ids)
+    for ids, mask, *key in sequences:
+        if feats is not None:
+            aux, last = feats(key[0], len(ids))
+            with torch.no_grad():
+                last = target.model.norm(last[None])[0]
+        else:
+            aux, last = _target_features(target, aux_layers, ids)
         raw = {
             "aux_hidden_state": aux[None],
             "hidden_state": last[None],
@@ -312,9 +322,15 @@ def worker_specforge(spec_path: str) -> dict:
     )
     model.train()
     losses, label_losses, train_s = [], [], 0.0
+    save_at = set(spec.get("save_at", []))  # the steps-to-quality points (real-model mode)
+    feats = None
+    if spec.get("features"):  # real-model mode: the run's kept hidden states, the same for every side
+        from stored_features import StoredFeatures
+
+        feats = StoredFeatures(spec["features"])
     for m, sequences in enumerate(spec["steps"]):
         t0 = time.perf_counter()
-        tensors = _micro_batch(target, spec["aux_layers"], sequences, normalize_offline_sample)
+        tensors = _micro_batch(target, spec["aux_layers"], sequences, normalize_offline_sample, feats)
         batch = TrainBatch(
             sample_ids=[f"{m}-{i}" for i in range(len(sequences))],
             strategy="eagle3",
@@ -335,18 +351,25 @@ def worker_specforge(spec_path: str) -> dict:
         )
         acc = [round(float(a), 3) for a in step.metrics["acces"]]
         print(
-            f"step {m + 1}/{total} loss {losses[-1]:.4f} per label {label_losses[-1]:.4f} acc {acc}",
+            f"step {m + 1}/{total} loss {losses[-1]:.4f} per label {label_losses[-1]:.4f} acc {acc} "
+            f"{time.perf_counter() - t0:.2f} s",
             file=sys.stderr,
             flush=True,
         )
-    _save(draft, Path(spec["out"]), spec.get("export_dtype", "float32"))
-    return {
+        if m + 1 in save_at:
+            _save(draft, Path(spec["out"]) / f"step_{m + 1}", spec.get("export_dtype", "float32"))
+    out = {
         "train_s": train_s,
         "final_loss": losses[-1] if losses else None,
         "out": spec["out"],
         "losses": losses,
         "label_losses": label_losses,
     }
+    if save_at:
+        (Path(spec["out"]) / "result.json").write_text(json.dumps(out))
+    else:
+        _save(draft, Path(spec["out"]), spec.get("export_dtype", "float32"))
+    return out
 
 
 def main() -> None:

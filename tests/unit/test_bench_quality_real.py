@@ -1,0 +1,156 @@
+"""benchmarks/quality_stats.py (bench_quality.py's real-model table): steps to quality interpolated on ours'
+measured curve with its interval over seeds, means, spreads and ratios, against hand-computed references; and
+quality_jobs.GreedyReplay (T=0 tau without the target's verify) step for step against the real decoder."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_lib.serving import specdec
+from tests.support import models as tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import quality_jobs as qj  # noqa: E402
+import quality_real  # noqa: E402
+import quality_stats as qs  # noqa: E402
+
+STEPS = [0, 10, 20, 40, 80]
+CURVE = [1.0, 1.5, 2.0, 2.2, 2.4]
+
+
+@pytest.mark.parametrize(
+    ("goal", "want"),
+    [
+        (1.75, 15.0),  # between (10, 1.5) and (20, 2.0): 10 + 0.25 / 0.5 * 10
+        (2.3, 60.0),  # between (40, 2.2) and (80, 2.4): 40 + 0.1 / 0.2 * 40
+        (2.0, 20.0),  # exactly a measured point: that point's steps
+        (0.9, 0.0),  # at or below the first point: its steps
+        (2.5, None),  # never reached within the budget
+    ],
+)
+def test_steps_to_reach_interpolates_linearly_between_the_points_around_the_crossing(goal, want):
+    got = qs.steps_to_reach(STEPS, CURVE, goal)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+def test_steps_to_reach_takes_the_first_crossing_of_a_curve_that_dips():
+    assert qs.steps_to_reach([0, 1, 2, 3], [1.0, 2.0, 1.8, 2.5], 1.9) == pytest.approx(0.9)
+
+
+def test_steps_to_reach_refuses_unordered_or_mismatched_input():
+    with pytest.raises(ValueError):
+        qs.steps_to_reach([0, 20, 10], [1.0, 2.0, 3.0], 1.5)
+    with pytest.raises(ValueError):
+        qs.steps_to_reach([0, 10], [1.0], 1.5)
+
+
+def test_steps_interval_point_on_the_mean_curve_and_range_over_every_seed_pair():
+    steps = [0, 10, 20]
+    curves = [[1.0, 2.0, 3.0], [1.0, 1.5, 2.0]]
+    # mean curve [1.0, 1.75, 2.5] vs mean final 2.0: 10 + 0.25 / 0.75 * 10
+    # pairs: (c0, 1.5) -> 5, (c0, 2.5) -> 15, (c1, 1.5) -> 10, (c1, 2.5) -> never
+    got = qs.steps_interval(steps, curves, [1.5, 2.5])
+    assert got["point"] == pytest.approx(10 + 10 / 3)
+    assert got["lo"] == pytest.approx(5.0)
+    assert got["hi"] is None and got["not_reached"] == 1 and got["pairs"] == 4
+    assert got["fraction"] == pytest.approx((10 + 10 / 3) / 20)
+    assert got["fraction_hi"] is None
+
+
+def test_steps_interval_closed_when_every_pair_is_reached():
+    got = qs.steps_interval([0, 10, 20], [[1.0, 2.0, 3.0], [1.0, 1.5, 2.0]], [1.5])
+    assert got["point"] == pytest.approx(0.5 / 0.75 * 10)  # mean curve 1.0 -> 1.75 over 0..10
+    assert (got["lo"], got["hi"]) == (pytest.approx(5.0), pytest.approx(10.0))
+    assert (got["fraction_lo"], got["fraction_hi"]) == (pytest.approx(0.25), pytest.approx(0.5))
+
+
+def test_mean_spread_and_ratio_by_hand():
+    s = qs.mean_spread([2.0, 2.2, 2.4])
+    assert (s["mean"], s["sd"], s["min"], s["max"], s["n"]) == (
+        pytest.approx(2.2), pytest.approx(0.2), 2.0, 2.4, 3,
+    )  # fmt: skip
+    assert qs.mean_spread([3.0])["sd"] == 0.0
+    r = qs.ratio([2.0, 3.0], [1.0, 2.0])
+    assert r["ratio"] == pytest.approx(2.5 / 1.5)  # ratio of the means, not the mean of the ratios
+    assert (r["min"], r["max"]) == (pytest.approx(1.5), pytest.approx(2.0))
+
+
+def test_fmt_steps_names_a_goal_beyond_the_budget():
+    assert qs.fmt_steps(None, 80) == "> 80"
+    assert qs.fmt_steps(12.345, 80) == "12.3"
+
+
+# --- the T=0 replay (benchmarks/quality_jobs.GreedyReplay) against the real decoder ------------------------
+V = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny.llama(0, torch.float64, vocab_size=V, num_hidden_layers=6, tie_word_embeddings=False)
+
+
+class _Corrupted:
+    """The target's greedy drafts (from its recorded path) with one wrong token at a random position."""
+
+    name, needs_features, q = "corrupted", True, None
+
+    def __init__(self, path: list[int], seed: int):
+        self.path, self.rng, self.n, self.feats = path, random.Random(seed), 0, []
+
+    def start(self, seq, feats):
+        self.n = len(seq)
+        self.feats.append(feats.clone())
+
+    def propose(self, k):
+        d = list(self.path[self.n : self.n + k])
+        j = self.rng.randrange(k + 1)
+        if j < len(d):
+            d[j] = (d[j] + 1) % V
+        return d
+
+    def advance(self, new, feats):
+        self.n += len(new)
+        self.feats.append(feats.clone())
+
+
+def _record(target, prompt, n, k, aux):
+    rec = qj.Recorder()
+    g = specdec.speculative_generate(specdec.TargetRunner(target, aux), rec, prompt, n + k + 2, k, [])
+    return prompt + g.output_ids, torch.cat(rec.feats)
+
+
+@pytest.mark.parametrize("eos_at", [None, 9])
+def test_greedy_replay_decodes_step_for_step_as_the_target(tiny_target, eos_at):
+    """Every step's accepted count, the output and the features handed to the proposer equal the real
+    decoder's (the target's own KV-cache verify), partial acceptance every step, with and without a stop."""
+    aux, k, n = [1, 2, 3], 3, 24
+    for prompt in ([5, 17, 9, 33, 2, 71, 9, 33], list(range(40, 60))):
+        seq, feats = _record(tiny_target, prompt, n, k, aux)
+        eos = [seq[len(prompt) + eos_at]] if eos_at is not None else []
+        runs = []
+        for runner in (specdec.TargetRunner(tiny_target, aux), qj.GreedyReplay(seq, feats, V)):
+            prop = _Corrupted(seq, seed=3)
+            g = specdec.speculative_generate(runner, prop, prompt, n, k, eos)
+            runs.append((g, prop.feats))
+        (real, real_f), (rep, rep_f) = runs
+        assert rep.output_ids == real.output_ids and rep.accepted == real.accepted
+        assert rep.matched == real.matched and sum(real.accepted) > 0
+        assert len(rep_f) == len(real_f)
+        assert all(torch.allclose(a, b, atol=1e-9) for a, b in zip(rep_f, real_f, strict=True))
+
+
+def test_greedy_replay_refuses_a_block_off_the_recorded_path(tiny_target):
+    seq, feats = _record(tiny_target, [5, 17, 9, 33], 8, 3, [1, 2, 3])
+    rep = qj.GreedyReplay(seq, feats, V)
+    rep.prefill(seq[:4])
+    with pytest.raises(ValueError, match="off the recorded path"):
+        rep.verify([(seq[4] + 1) % V, 1, 2])
+
+
+def test_marks_are_the_budget_fractions():
+    assert quality_real.marks(160) == [20, 40, 80, 160]
+    assert quality_real.marks(2) == [1, 2]
