@@ -38,7 +38,9 @@ matched the real decoder (`specdec.TargetRunner`) for one drafter. T=1 runs the 
         --seeds 0 1 2 [--steps 160] [--work-dir DIR]
 
 The work runs as jobs (target greedy paths, one training per side and seed, evaluation shards), at most one per
-core (``taskset``, one thread each); a job whose result is in --work-dir is not run again (a rerun resumes).
+core (``taskset``, one thread each); a job whose result is in --work-dir is not run again (a rerun resumes, and
+``--seeds`` may then name a subset of the planned seeds). ``quality_real.py report <work dir>`` prints the table of
+the seeds complete so far.
 """
 
 from __future__ import annotations
@@ -260,16 +262,19 @@ def main(a) -> None:
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
     plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").exists() else setup(a, work)
-    if plan["seeds"] != list(a.seeds) or plan["steps"] != (a.steps or plan["steps"]):
+    if not set(a.seeds) <= set(plan["seeds"]) or plan["steps"] != (a.steps or plan["steps"]):
         sys.exit(f"{work}: planned for seeds {plan['seeds']}, {plan['steps']} steps; use another --work-dir")
     cores = sorted(os.sched_getaffinity(0))[: a.jobs] if a.jobs else sorted(os.sched_getaffinity(0))
     refs = {"name": "refs", "argv": [sys.executable, str(HERE / "quality_real.py"), "refs", str(work / "eval.json")],
             "done": str(work / "refs.pt")}  # fmt: skip
     (work / "eval.json").write_text(json.dumps(_eval_settings(a, plan, work)))
-    print(f"work dir {work}: {len(plan['seeds'])} seeds x 3 sides x {plan['steps']} steps on cores {cores}")
+    print(
+        f"work dir {work}: seeds {list(a.seeds)} (plan: {plan['seeds']}) x 3 sides x {plan['steps']} steps, cores {cores}"
+    )
     trains, evals = train_jobs(a, work, plan), eval_jobs(plan, work)
-    # seed by seed (trainings, then their evaluations once trained): a run stopped early has whole seeds
-    order = [j for seed in plan["seeds"] for j in trains + evals if j["seed"] == seed]
+    # seed by seed (trainings, then their evaluations once trained): a run stopped early has whole seeds;
+    # --seeds may name a subset of the plan's (the others resume later in the same --work-dir)
+    order = [j for seed in a.seeds for j in trains + evals if j["seed"] == seed]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM)"))
     run_jobs([refs, *order], cores, work)
     from quality_report import report
