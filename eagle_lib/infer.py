@@ -49,13 +49,12 @@ class Params(params.Strict):
     served_model: str = ""  # openai: model name on the server; empty: the first one /v1/models lists
     api_key_env: str = ""  # NAME of the environment variable holding the servers' API key; empty: none
     concurrency: int = 8  # requests in flight per server
-    timeout_s: float = 1800.0  # one request's time limit (long reasoning answers take minutes)
-    max_retries: int = (
-        6  # charged retries of a request (its own timeouts; faults on every server) before it is an error
-    )
-    all_down_s: float = (
-        1800.0  # sglang/openai: stop (resumable) when no server has been in rotation this long
-    )
+    timeout_s: float = 1800.0  # floor of one request's deadline (stall_s + max_new_tokens / measured rate)
+    stream: bool = True  # sglang/openai: stream answers (a slow answer delivering tokens is alive)
+    stall_s: float = 300.0  # streamed: a server with no new token on any request this long is dropped
+    min_tokens_per_s: float = 1.0  # tokens/s per request the deadline assumes until the run measured its own
+    max_retries: int = 6  # charged retries of a request (its deadline passed; faults on every server)
+    all_down_s: float = 1800.0  # sglang/openai: stop (resumable) when no server is in rotation this long
     backoff_s: float = 1.0  # first retry delay; doubles per retry, +-50% jitter
     backoff_max_s: float = 60.0  # longest retry delay
     temperature: float = 0.0  # 0: greedy
@@ -167,15 +166,16 @@ def make_engine(cfg: params.StageConfig, tokenizer, server_urls: list[str] | Non
         if models.pick_device(shared.device).type == "cpu":
             machine.set_cpu_threads(shared.num_workers)  # the machine rule unless num_workers is set
         model = models.load_target(shared, dtype=None if p.dtype == "auto" else getattr(torch, p.dtype))
-        return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len)
+        return EmbeddedEngine(model, sampling(model), p.batch_size, p.max_batch_tokens, p.max_model_len,
+                              max_error_fraction=p.max_error_fraction)  # fmt: skip
     from eagle_lib.engines.http_apis import OpenAIEngine, SGLangEngine
 
     cls = {"sglang": SGLangEngine, "openai": OpenAIEngine, "vllm": OpenAIEngine}[p.engine]
     api_key = params.secret_from_env(p.api_key_env, "03_infer servers")
     return cls(server_urls or p.server_urls, sampling(), vocab_size=len(tokenizer), concurrency=p.concurrency,
                timeout_s=p.timeout_s, max_retries=p.max_retries, backoff_s=p.backoff_s, backoff_max_s=p.backoff_max_s,
-               api_key=api_key, model=p.served_model, all_down_s=p.all_down_s,
-               max_error_fraction=p.max_error_fraction)  # fmt: skip
+               api_key=api_key, model=p.served_model, all_down_s=p.all_down_s, stream=p.stream, stall_s=p.stall_s,
+               min_tokens_per_s=p.min_tokens_per_s, max_error_fraction=p.max_error_fraction)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -370,12 +370,18 @@ def run(cfg: params.StageConfig, shard: str = "") -> dict:
             probe["fingerprint"] = fingerprint.settle(engine, cfg.out("infer"), identity)
         except EngineError as e:
             raise InferError(f"03_infer: {e}") from None
-        metas, seconds = run_datasets(cfg, names, engine, tokenizer, where, identity)
+        try:
+            metas, seconds = run_datasets(cfg, names, engine, tokenizer, where, identity)
+        except commit.Stopped as e:  # the answers written are kept; infer/meta.json says it stopped early
+            if not where:
+                commit.record_stop(cfg.out("infer", "meta.json"), e, engine, probe, cfg.stage, started)
+            raise
     keys = ("read", "kept", "rejected", "output_tokens", "generated", "generated_tokens")
     total = {k: sum(m[k] for m in metas.values()) for k in keys} | {"generate_seconds": round(seconds, 3)}
     meta = total | {
         "dropped": {}, "datasets": metas, "probe": probe, "shard": shard or None, "target": identity,
         "servers": engine.server_stats() if hasattr(engine, "server_stats") else [],
+        "deadlines": engine.deadlines.record() if hasattr(engine, "deadlines") else None,
         "tokens_per_s": round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 2),
         "finish_reason": dict(sum((Counter(m["finish_reason"]) for m in metas.values()), Counter())),
         "params": cfg.stage.model_dump(mode="json"), "shared": cfg.shared.model_dump(mode="json"),

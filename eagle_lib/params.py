@@ -117,11 +117,50 @@ STAGES: dict[str, StageSpec] = {
 }
 
 
+class ClusterParams(Strict):
+    """The cluster a run gets (`validate --budget` refuses a layout that does not fit it; 0: unstated)."""
+
+    nodes: int = 0  # nodes of the cluster
+    gpus_per_node: int = 0  # GPUs on each node (torchrun's nproc_per_node and a producer's TP must fit in it)
+
+
+class BudgetParams(Strict):
+    """What `validate --budget` (`eagle_lib.drafter.budget`) assumes where neither the params' limits nor a run's
+    measurements say: dataset sizes, mean lengths, throughput rates. Printed as assumptions beside the estimate."""
+
+    dataset_sizes: dict[
+        str, int
+    ] = {}  # dataset name -> prompts (B) / records (A) it holds (where no cap bounds it)
+    prompt_tokens: int = 0  # mean prompt (history) tokens of one trained sequence; 0: none counted
+    output_tokens: int = 0  # mean generated tokens of one answer; 0: max_new_tokens (the upper bound)
+    turns: float = 1.0  # mean answered turns of a conversation (each_turn B sets, turns: each A sets)
+    decode_tokens_per_s: float = 0.0  # one serving node's output tokens/s (03, 06); 0: the budget's default
+    prefill_tokens_per_s: float = (
+        0.0  # one vLLM producer's prefill tokens/s (05, 07); 0: the budget's default
+    )
+    train_tokens_per_s: float = (
+        0.0  # one trainer GPU's tokens/s through the TTT unroll; 0: the budget's default
+    )
+
+    @model_validator(mode="after")
+    def _positive(self):
+        bad = {k: v for k, v in self.dataset_sizes.items() if v < 0}
+        if bad or self.turns < 1 or min(self.prompt_tokens, self.output_tokens) < 0:
+            raise ValueError(
+                f"budget: sizes and token counts must be >= 0 and turns >= 1 (got {bad or self.turns})"
+            )
+        return self
+
+
 class RunParams(Strict):
     """A whole params file."""
 
     run_name: str
     shared: SharedParams = SharedParams()
+    cluster: ClusterParams = (
+        ClusterParams()
+    )  # nodes x GPUs the run gets (validate --budget checks the layout)
+    budget: BudgetParams = BudgetParams()  # validate --budget's assumed sizes and rates
     stages: dict[str, dict[str, Any]] = {}
     source_file: str = ""
 

@@ -26,7 +26,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from eagle_lib.console import ConsoleTail, ipc_kernel_manager
 from eagle_lib.params import STAGES, ParamsError, RunParams, StageSpec, load_params
+from eagle_lib.progress import CONSOLE_ENV
 from eagle_lib.store import read_json, stable_hash, write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +196,8 @@ class Runner:
         (self.markers / f"{name}.json").unlink(missing_ok=True)
         self.log(f"[{name}] running {spec.notebook} -> {out_nb}")
         t0, entry["started"] = time.time(), _now()
-        error = self._papermill(spec, out_nb, params)
+        with ConsoleTail(self.markers / f"{name}.console", lambda line: self.log(f"[{name}] {line}")) as tail:
+            error = self._papermill(spec, out_nb, params, {CONSOLE_ENV: str(tail.path)})  # progress lines
         entry.update(finished=_now(), seconds=round(time.time() - t0, 2))
         if error:
             entry.update(status="failed", error=f"stage {name} failed: {error}\n  open the report: {out_nb}")
@@ -206,12 +209,12 @@ class Runner:
         self.log(f"[{name}] done in {entry['seconds']:.1f}s")
         return entry
 
-    def _papermill(self, spec: StageSpec, out_nb: Path, params: dict) -> str | None:
+    def _papermill(self, spec: StageSpec, out_nb: Path, params: dict, env: dict | None = None) -> str | None:
         import papermill as pm
 
         self.reports.mkdir(parents=True, exist_ok=True)
         try:
-            with report_env():
+            with report_env(env):
                 pm.execute_notebook(
                     str(self.root / spec.notebook),
                     str(out_nb),
@@ -220,6 +223,7 @@ class Runner:
                     progress_bar=False,
                     log_output=False,
                     kernel_name="python3",
+                    kernel_manager_class=ipc_kernel_manager(),
                 )
         except pm.PapermillExecutionError as e:
             return f"cell {e.cell_index} (execution count {e.exec_count}) raised {e.ename}: {e.evalue}"
@@ -261,10 +265,11 @@ REPORT_ENV = {
 
 
 @contextlib.contextmanager
-def report_env():
-    """Set REPORT_ENV for the duration (the notebook kernel is started inside), then restore."""
-    saved = {k: os.environ.get(k) for k in REPORT_ENV}
-    os.environ.update(REPORT_ENV)
+def report_env(extra: dict | None = None):
+    """Set REPORT_ENV (and `extra`) for the duration (the notebook kernel is started inside), then restore."""
+    want = {**REPORT_ENV, **(extra or {})}
+    saved = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
     try:
         yield
     finally:
@@ -364,10 +369,13 @@ def run_pipeline(
     return runner.execute(names)
 
 
-def budget_text(run: RunParams, target_config: str = "") -> str:
-    """The run's memory and time budget (`eagle_lib.drafter.budget`), or why it cannot be computed here."""
+def budget_text(run: RunParams, target_config: str = "", run_dir: str = "") -> str:
+    """The run's memory and time budget (`eagle_lib.drafter.budget`), or why it cannot be computed here; a
+    run directory's measured counts and rates (`run_dir`, else the params' own outputs/<run_name> where it
+    exists) replace the assumed ones."""
     from eagle_lib import models
     from eagle_lib.drafter import budget
+    from eagle_lib.params import resolve_run_dir
 
     target = run.shared.target
     try:
@@ -385,8 +393,12 @@ def budget_text(run: RunParams, target_config: str = "") -> str:
             cfg = models.load_config(target, **models.hub_kwargs(run.shared))
     except (OSError, ValueError) as e:
         return f"budget: the target's config is not readable here ({type(e).__name__}: {str(e)[:200]}); pass --target-config"
-    b = budget.estimate(run, cfg)
-    return "budget (eagle_lib.drafter.budget; rates assumed unless measured):\n" + b.text()
+    measured = Path(run_dir) if run_dir else resolve_run_dir(run.run_dir)
+    b = budget.estimate(run, cfg, run_dir=measured if measured.is_dir() else None)
+    seen = (
+        f"measured where {measured} has them" if measured.is_dir() else f"no run at {measured}: all assumed"
+    )
+    return f"budget (eagle_lib.drafter.budget; counts and rates from the params, {seen}):\n" + b.text()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument(
         "--target-config", default="", help="the target's config.json for the budget (else loaded)"
     )
+    v.add_argument("--run-dir", default="", help="a run whose measured counts and rates the budget takes "
+                   "(default: the params' outputs/<run_name>, where it exists)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
         if args.cmd == "validate":
@@ -416,7 +430,14 @@ def main(argv: list[str] | None = None) -> int:
                 problem = unpinned_remote_code(run.shared)
                 print(f"{p}: ok" + (f" (warning: a run would refuse: {problem})" if problem else ""))
                 if args.budget:  # loads torch (the drafter's shapes): only when asked
-                    print(budget_text(run, args.target_config))
+                    from eagle_lib.drafter import budget
+
+                    misfits = budget.layout(run)[1]
+                    if misfits:
+                        c = run.cluster
+                        raise ParamsError(f"{p}: the layout does not fit cluster {c.nodes} nodes x "
+                                          f"{c.gpus_per_node} GPUs: " + "; ".join(misfits))  # fmt: skip
+                    print(budget_text(run, args.target_config, args.run_dir))
             return 0
         manifest = run_pipeline(
             args.params, args.stages, args.run_name, args.force, seed=args.seed, overrides=args.overrides

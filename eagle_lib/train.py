@@ -36,7 +36,7 @@ def run(cfg: params.StageConfig) -> dict:
     from eagle_lib.drafter import distributed, trainer
 
     p = cfg.stage
-    if p.nproc_per_node > 1 and not distributed.launched():
+    if (p.nproc_per_node > 1 or p.nnodes > 1) and not distributed.launched():
         out = cfg.out("drafter")
         out.mkdir(parents=True, exist_ok=True)
         spec = out / "launch.json"
@@ -44,7 +44,8 @@ def run(cfg: params.StageConfig) -> dict:
             spec, {"run_dir": str(cfg.run_dir), "shared": cfg.shared.model_dump(), "stage": p.model_dump()}
         )
         (out / "summary.json").unlink(missing_ok=True)
-        distributed.launch(p.nproc_per_node, ["-m", "eagle_lib.train", str(spec)])
+        distributed.launch(p.nproc_per_node, ["-m", "eagle_lib.train", str(spec)], p.nnodes, p.rdzv_endpoint,
+                           f"eagle3-{fingerprint(cfg)[:12]}", out / "TORCHRUN")  # fmt: skip
         done = out / "summary.json"
         return store.read_json(done if done.exists() else out / "stopped.json")
     return trainer.train(cfg, fingerprint(cfg))

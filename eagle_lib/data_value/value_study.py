@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eagle_lib import models, params, store
+from eagle_lib import models, params, progress, store
 from eagle_lib.data import subsets
 from eagle_lib.data_value import curve as curves
 from eagle_lib.data_value import value_tables as tables
@@ -53,6 +53,7 @@ class Study:
         self.noise = curves.NO_NOISE  # training noise, once the curve's seed replicates measured it
         self.sums_file = self.out / "sums.json"
         self.cached_sums = store.read_json(self.sums_file) if self.sums_file.exists() else {}
+        self.progress = progress.Progress("arm", planned_arms(cfg.stage, self.groups), every_s=0)
 
     def _decoder(self, cfg: params.StageConfig, held: list) -> heldout_tau.Decoder:
         """Offline decoding of 06's held-out prompts, or the teacher-forced chain tau of held-out sequences."""
@@ -132,9 +133,8 @@ class Study:
         }  # fmt: skip
         self.arms[name] = info
         tau = decoder.sums.tau(name)
-        print(
-            f"[{STAGE}] {name}: {how}, {steps} steps on {info['tokens']} tokens, tau {tau:.3f} ({info['seconds']:.0f} s)"
-        )
+        self.progress.update(len(self.arms), f"{name}: {how}, {steps} steps on {info['tokens']} tokens, "
+                                             f"tau {tau:.3f} ({info['seconds']:.0f} s)")  # fmt: skip
         return info
 
     def _eval_id(self, d) -> dict:
@@ -162,6 +162,16 @@ def reused_id(drafter_dir: Path) -> dict:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     return {"dir": str(drafter_dir), "weights": digest.hexdigest()}
+
+
+def planned_arms(p, groups: dict) -> int:
+    """How many arms the studies `p` turns on will run on datasets `groups` (the progress lines' total): the
+    curve's fractions and their seed replicates, the leave-out reference and its leave-outs, and a pair each for
+    regen and multiturn when a dataset they compare has training data."""
+    n = sum(len(seed_names(f, p)) for f in sorted(set(p.fractions)))
+    n += (1 + len(p.lodo_units or groups)) if p.lodo else 0
+    n += 2 if p.regen and any(d in groups for d in p.original_datasets) else 0
+    return n + (2 if p.multiturn and any(d in groups for d in p.multiturn_datasets) else 0)
 
 
 SEED_STRIDE = 10_000  # replicate r trains with seed + SEED_STRIDE * r: far from 05's per-epoch shuffle seeds

@@ -12,27 +12,35 @@ Hidden states: bytes a token (captured layers x hidden x storage itemsize, + one
 float8), the buffer bound per rank (``max_buffer_gb`` is the run's, split across ranks), and what dumping every
 training token would take instead.
 
-Time at a given scale (default: the seeds' regeneration, 88K samples, ~228M tokens), from throughput RATES that
-are assumed, not measured here (no GPU): each is printed with the estimate, and `measured_rates` replaces the
-trainer and producer rates with those a finished 05 recorded (its summary's ``hidden`` block). 03: the generated
-tokens (bounded above by all the tokens) over the serving nodes' decode rate; 05: epochs x tokens through the
-trainers and, pipelined beside them, the producers (the slower side sets the time); 07: the arms' share of 05's
-work (an upper bound: every arm at 05's tokens-per-step).
+Time, from the params' own counts (`counts`): per dataset the prompts (B: ``max_prompts``, else the size the
+``budget`` section gives) or records (A: ``max_read``, else that size), times the mean answered turns on each_turn
+sets, times the mean prompt and answer tokens (the answer capped at ``max_new_tokens``; ``budget.output_tokens``
+0: the cap itself); a run directory's 02/03 meta replaces the prompts, turns and answer lengths it measured.
+Rates (tokens/s): a run's measured ones (03's meta, 05's summary) where the run directory has them, else the
+params' ``budget`` section, else `DEFAULT_RATES`; each printed with its source. Each stage's wall time is on the
+GPUs that stage uses (`layout`): 03 the serving nodes; 05 the trainer ranks (``nnodes x nproc_per_node``) and,
+pipelined beside them, the producers (one group of ``num_producers`` per ``ranks_per_producer`` ranks; the slower
+side sets the time); 06 one server of ``serve_tp`` GPUs; 07 one trainer process and its producers, over the arms'
+share of 05's work (an upper bound). With ``cluster`` stated, a layout that does not fit it is refused.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SEEDS_SCALE = {
     "samples": 88_000,
     "tokens": 228_000_000,
-}  # the seeds' regeneration (README, issue of the real path)
+}  # the seeds' regeneration (README): 05's report sizes its own time at this scale
 
-# Throughput assumed for the GPU path (tokens/s); not measured on any GPU by this project. Replace with measured
-# ones (`measured_rates`) once a real 05 ran.
-ASSUMED_RATES = {
-    "decode_per_server": 2_500.0,  # 03: one TP-8 serving node's output tokens/s at concurrency 64
+# Throughput assumed for the GPU path (tokens/s) where neither the params' budget section nor a run gives one;
+# not measured on any GPU by this project.
+DEFAULT_RATES = {
+    # 03: one TP-8 serving node's output tokens/s at concurrency 64: the seeds' 24-55 h for ~228M tokens on 4
+    # nodes imply 290-660 (their middle)
+    "decode_per_server": 450.0,
     "prefill_per_producer": 20_000.0,  # 05/07: one TP-8 vLLM producer's prefill tokens/s (hidden states out)
     "train_per_rank": 12_000.0,  # 05/07: one trainer GPU's tokens/s through the TTT unroll
 }
@@ -41,15 +49,22 @@ FP32, ADAM_STATES = 4, 2
 
 @dataclass
 class Budget:
-    """Bytes per trainer rank, hidden-state bytes, time estimates; `rows` renders them."""
+    """Bytes per trainer rank, hidden-state bytes, the run's counts, layout and time; `rows` renders them."""
 
     memory: dict[str, int] = field(default_factory=dict)  # per rank
     hidden: dict[str, float] = field(default_factory=dict)
-    time: dict[str, dict] = field(default_factory=dict)
+    time: dict[str, dict] = field(default_factory=dict)  # stage -> {hours, gpus, gpu_hours, how}
     params: dict[str, int] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
-    rate_source: str = "assumed"
-    scale: dict[str, int] = field(default_factory=dict)
+    rate_sources: dict[str, str] = field(default_factory=dict)
+    counts: list[dict] = field(default_factory=list)  # per dataset (`counts`)
+    layout: dict[str, dict] = field(default_factory=dict)  # stage -> {gpus, nodes, text} (`layout`)
+    misfits: list[str] = field(default_factory=list)  # why the layout does not fit the cluster
+    cluster: str = "unstated"
+
+    @property
+    def tokens(self) -> dict[str, float]:
+        return {k: sum(c[k] for c in self.counts) for k in ("sequences", "generated", "trained")}
 
     def rows(self) -> list[tuple[str, str]]:
         gb = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
@@ -66,15 +81,21 @@ class Budget:
             ("buffer per rank (max_buffer_gb / ranks)", f"{gb(h['buffer_per_rank'])}: ~{h['tokens_ahead_per_rank']:,.0f} tokens ahead"),
             ("dumping every training token instead", f"{h['dump_bytes'] / 2**40:,.2f} TiB"),
         ]  # fmt: skip
-        for stage, t in self.time.items():
-            out.append((f"{stage} at {self.scale['tokens'] / 1e6:,.0f}M tokens",
-                        f"{t['hours']:,.1f} h on {t['gpus']} GPUs = {t['gpu_hours']:,.0f} GPU-hours ({t['how']})"))  # fmt: skip
-        out.append(
-            (
-                f"rates ({self.rate_source}, tokens/s)",
-                ", ".join(f"{k} {v:,.0f}" for k, v in self.rates.items()),
-            )
-        )
+        for c in self.counts:
+            out.append((f"count {c['stage']} {c['name']}", f"{c['sequences']:,.0f} sequences = {c['how']}; "
+                        f"{c['generated'] / 1e6:,.1f}M generated, {c['trained'] / 1e6:,.1f}M tokens"))  # fmt: skip
+        t = self.tokens
+        out.append(("count, all datasets", f"{t['sequences']:,.0f} sequences, {t['generated'] / 1e6:,.1f}M tokens "
+                    f"generated by 03, {t['trained'] / 1e6:,.1f}M tokens in all"))  # fmt: skip
+        out.append(("cluster", self.cluster))
+        out += [(f"layout {k}", f"{v['gpus']} GPUs: {v['text']}") for k, v in self.layout.items()]
+        out += [("LAYOUT DOES NOT FIT", m) for m in self.misfits]
+        for stage, x in self.time.items():
+            out.append((f"{stage} wall time", f"{x['hours']:,.1f} h on {x['gpus']} GPUs = {x['gpu_hours']:,.0f} GPU-hours ({x['how']})"))  # fmt: skip
+        out += [
+            (f"rate {k} (tokens/s)", f"{v:,.0f} ({self.rate_sources.get(k, 'assumed')})")
+            for k, v in self.rates.items()
+        ]
         return out
 
     def text(self) -> str:
@@ -104,7 +125,7 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
     text = models.text_config(hf_config)
     counts = drafter_params(hf_config, p05)
     cfg = recipe.drafter_config(hf_config, p05)
-    world = max(1, p05.nproc_per_node)
+    world = ranks(p05)
     shard = world if p05.distributed == "fsdp" else 1
     bf16 = p05.precision != "fp32"  # a GPU run: auto is bf16 there (trainer.use_autocast)
     k, _ = ttt.resolve_preset(p05.ttt_preset, p05.ttt_steps, p05.loss_decay)
@@ -171,7 +192,7 @@ def hidden_bytes(hf_config, p05, tokens: int) -> dict:
     per_token = n_ids * text.hidden_size * hb.ITEMSIZE[p05.hidden_dtype] + (
         FP32 * n_ids if p05.hidden_dtype == "float8_e4m3fn" else 0
     )
-    per_rank = p05.max_buffer_gb * 2**30 / max(1, p05.nproc_per_node)
+    per_rank = p05.max_buffer_gb * 2**30 / ranks(p05)
     return {"layers": n_ids, "hidden": text.hidden_size, "dtype": p05.hidden_dtype, "bytes_per_token": per_token,
             "buffer_per_rank": per_rank, "tokens_ahead_per_rank": per_rank / per_token,
             "dump_bytes": tokens * per_token}  # fmt: skip
@@ -190,50 +211,195 @@ def arms_share(p07, n_datasets: int) -> float:
     return curve + lodo + regen + multi
 
 
-def estimate(
-    run, hf_config, scale: dict | None = None, rates: dict | None = None, rate_source: str = "assumed"
-) -> Budget:
-    """The whole budget of a params file (`params.RunParams`) for a target config."""
-    scale = dict(scale or SEEDS_SCALE)
-    r = dict(ASSUMED_RATES) | dict(rates or {})
+def ranks(p05) -> int:
+    """05's trainer ranks: nnodes x nproc_per_node."""
+    return max(1, p05.nnodes) * max(1, p05.nproc_per_node)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def counts(run, run_dir: Path | None = None) -> list[dict]:
+    """Per dataset (01's A, 02's B): sequences, tokens 03 generates and tokens 05 trains, from the params' caps
+    and the ``budget`` section's sizes and means; a run's 02 meta (kept prompts) and 03 meta (turns, mean answer)
+    replace them where `run_dir` has them. ``how`` says which of each it took."""
+    bp, shared = run.budget, run.shared
+    out_tok = min(bp.output_tokens or shared.max_new_tokens, shared.max_new_tokens)
+    p01, p02 = run.stage("01_prepare_A"), run.stage("02_extract_B")
+    rows = []
+    for stage, ds, cap, multi in [("01", d, d.max_read, p01.turns == "each") for d in p01.datasets] + [
+        ("02", d, d.max_prompts, d.turn == "each_turn") for d in p02.datasets
+    ]:
+        word = "records" if stage == "01" else "prompts"
+        size = bp.dataset_sizes.get(ds.name, 0)
+        n, how = (min(cap, size), f"{word} max(cap {cap:,}, size {size:,})") if cap and size else (
+            (cap, f"{word} cap {cap:,}") if cap else (size, f"{word} budget.dataset_sizes {size:,}"))  # fmt: skip
+        turns, out = (bp.turns if multi else 1.0), out_tok
+        kind = "B" if stage == "02" else "A"
+        m02 = _read(run_dir / "data" / kind / ds.name / "meta.json") if run_dir else {}
+        if m02.get("kept") is not None:
+            n, how = m02["kept"], f"{word} {m02['kept']:,} (measured: the run's meta)"
+        m03 = _read(run_dir / "infer" / ds.name / "meta.json") if run_dir and stage == "02" else {}
+        if m03.get("kept") and m03.get("generated"):
+            turns, out = m03["generated"] / m03["kept"], m03.get("mean_output_tokens") or out
+            how += f" x {turns:,.2f} turns (measured), {out:,.0f} answer tokens (measured)"
+        else:
+            how += (f" x {turns:g} turns (assumed)" if multi else "") + f" x ({bp.prompt_tokens:,} prompt + {out:,} answer tokens, assumed)"  # fmt: skip
+        if not n:
+            how = f"NOT COUNTED: no cap and no size (give budget.dataset_sizes.{ds.name})"
+        seqs = n * turns
+        rows.append({"stage": stage, "name": ds.name, "sequences": seqs, "how": how,
+                     "generated": seqs * out if stage == "02" else 0.0, "trained": seqs * (bp.prompt_tokens + out)})  # fmt: skip
+    return rows
+
+
+def rates(run, run_dir: Path | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """(rates, where each came from): a run's measured ones (03's meta: generated tokens over the generating
+    seconds and servers; 05's summary: the trainer's and producers' tokens/s), else the params' budget
+    section, else `DEFAULT_RATES`."""
+    bp = run.budget
+    given = {"decode_per_server": bp.decode_tokens_per_s, "prefill_per_producer": bp.prefill_tokens_per_s,
+             "train_per_rank": bp.train_tokens_per_s}  # fmt: skip
+    r, src = {}, {}
+    for k, v in DEFAULT_RATES.items():
+        r[k], src[k] = (
+            (given[k], "params: budget section") if given[k] else (v, "assumed: budget.DEFAULT_RATES")
+        )
+    if run_dir is None:
+        return r, src
+    m03 = _read(run_dir / "infer" / "meta.json")
+    servers = len(run.stage("03_infer").server_urls) or 1
+    if m03.get("generate_seconds") and m03.get("generated_tokens"):
+        r["decode_per_server"] = m03["generated_tokens"] / m03["generate_seconds"] / servers
+        src["decode_per_server"] = f"measured: {run_dir}/infer/meta.json over {servers} servers"
+    summary = _read(run_dir / "drafter" / "summary.json")
+    for k, v in measured_rates(summary).items():
+        r[k], src[k] = v, f"measured: {run_dir}/drafter/summary.json"
+    return r, src
+
+
+def _pack(nodes: list[int], gpus: int, n: int, tp: int) -> tuple[list[int], int]:
+    """Place `n` producers of `tp` GPUs on `nodes` (GPUs used a node, trainer nodes first), adding nodes of
+    `gpus` GPUs as needed: (GPUs used per node, producers placed on added nodes)."""
+    nodes = list(nodes)
+    for _ in range(n):
+        free = next((i for i, used in enumerate(nodes) if gpus - used >= tp), None)
+        if free is None:
+            nodes.append(0)
+            free = len(nodes) - 1
+        nodes[free] += tp
+    return nodes, n
+
+
+def layout(run) -> tuple[dict[str, dict], list[str]]:
+    """Per GPU stage: the GPUs it uses and where ({gpus, nodes, text}); and, with ``cluster`` stated, why a
+    stage does not fit it. A node holds trainer ranks (``nproc_per_node`` a node) and producers of
+    ``tensor_parallel_size`` GPUs, never across nodes."""
+    from eagle_lib.drafter import distributed
+
+    c, p03, p05 = run.cluster, run.stage("03_infer"), run.stage("05_train_eagle3")
+    p06 = run.stage("06_eval_acceptance")
+    gpn = c.gpus_per_node or max(p05.nproc_per_node, p05.tensor_parallel_size, 1)
+    tp, world = max(1, p05.tensor_parallel_size), ranks(p05)
+    vllm = p05.hidden_source == "vllm"
+    groups = distributed.producer_groups(world, p05.ranks_per_producer)
+    n_prod = len(groups) * p05.num_producers if vllm else 0
+    used, _ = _pack([p05.nproc_per_node] * p05.nnodes, gpn, n_prod, tp)
+    serving = ", ".join(f"{'-'.join(map(str, (g[0], g[-1]))) if len(g) > 1 else g[0]}" for g in groups)
+    out = {
+        "03": {"gpus": len(p03.server_urls) * gpn, "nodes": len(p03.server_urls),
+               "text": f"{len(p03.server_urls)} serving nodes x {gpn} GPUs (one server a node)"},
+        "05": {"gpus": world + n_prod * tp, "nodes": len(used),
+               "text": f"{world} trainer ranks ({p05.nnodes} node(s) x {p05.nproc_per_node})"
+               + (f" + {n_prod} producers x TP {tp} ({p05.num_producers} a group of {p05.ranks_per_producer} "
+                  f"ranks; groups serve ranks {serving})" if vllm else "")
+               + f"; GPUs used by node {used}"},
+    }  # fmt: skip
+    p07_prod = p05.num_producers if vllm else 0  # 07 trains 05's recipe in one process, beside its producers
+    used7, _ = _pack([1], gpn, p07_prod, tp)
+    out["06"] = {"gpus": p06.serve_tp, "nodes": 1, "text": f"one server x TP {p06.serve_tp}"}
+    out["07"] = {"gpus": 1 + p07_prod * tp, "nodes": len(used7),
+                 "text": "1 trainer process" + (f" + {p07_prod} producers x TP {tp}" if p07_prod else "")}  # fmt: skip
+    bad = []
+    if c.nodes and c.gpus_per_node:
+        g = c.gpus_per_node
+        if p05.nproc_per_node > g:
+            bad.append(f"05: nproc_per_node {p05.nproc_per_node} > {g} GPUs a node (ranks past the node's GPUs "
+                       "have no device: use nnodes)")  # fmt: skip
+        for name, t in (("05 tensor_parallel_size", tp if vllm else 1), ("06 serve_tp", p06.serve_tp)):
+            if t > g:
+                bad.append(f"{name} {t} > {g} GPUs a node")
+        for k, v in out.items():
+            if v["nodes"] > c.nodes:
+                bad.append(f"{k} needs {v['nodes']} nodes ({v['gpus']} GPUs: {v['text']}), the cluster has "
+                           f"{c.nodes} x {g}")  # fmt: skip
+    return out, bad
+
+
+def estimate(run, hf_config, rates_override: dict | None = None, run_dir: Path | None = None) -> Budget:
+    """The whole budget of a params file (`params.RunParams`) for a target config; `run_dir`: a run whose
+    measured counts and rates replace the assumed ones; `rates_override`: rates that replace all others."""
     p03, p05, p07 = (run.stage(n) for n in ("03_infer", "05_train_eagle3", "07_data_value"))
-    mem, counts = memory_per_rank(hf_config, p05)
-    b = Budget(memory=mem, params=counts, rates=r, rate_source=rate_source, scale=scale)
-    b.hidden = hidden_bytes(hf_config, p05, scale["tokens"])
-    world, tp = max(1, p05.nproc_per_node), max(1, p05.tensor_parallel_size)
+    p06 = run.stage("06_eval_acceptance")
+    mem, n_params = memory_per_rank(hf_config, p05)
+    r, src = rates(run, run_dir)
+    for k, v in (rates_override or {}).items():
+        r[k], src[k] = v, "given"
+    b = Budget(memory=mem, params=n_params, rates=r, rate_sources=src, counts=counts(run, run_dir))
+    b.layout, b.misfits = layout(run)
+    c = run.cluster
+    b.cluster = f"{c.nodes} nodes x {c.gpus_per_node} GPUs" if c.nodes else "unstated (no layout check)"
+    tok = b.tokens
+    b.hidden = hidden_bytes(hf_config, p05, tok["trained"])
+    world, vllm = ranks(p05), p05.hidden_source == "vllm"
     servers = max(1, len(p03.server_urls))
-    hours = scale["tokens"] / (r["decode_per_server"] * servers) / 3600
-    b.time["03"] = {"hours": hours, "gpus": servers * tp, "gpu_hours": hours * servers * tp,
-                    "how": f"{servers} servers x TP {tp}, every token counted as generated"}  # fmt: skip
-    passes = (
-        p05.epochs * scale["tokens"]
-        if not p05.max_steps
-        else p05.max_steps * p05.grad_accum * world * p05.rows_per_batch * p05.pack_len
+    h3 = tok["generated"] / (r["decode_per_server"] * servers) / 3600
+    b.time["03"] = _t(
+        h3, b.layout["03"]["gpus"], f"{tok['generated'] / 1e6:,.1f}M tokens generated by {servers} servers"
     )
+    train_tok = tok["trained"] * (1 - run.shared.heldout_percent / 100)
+    passes = (p05.epochs * train_tok if not p05.max_steps
+              else p05.max_steps * p05.grad_accum * world * p05.rows_per_batch * p05.pack_len)  # fmt: skip
+    n_prod = b.layout["05"]["gpus"] - world
+    n_prod //= max(1, p05.tensor_parallel_size)
     train_h = passes / (r["train_per_rank"] * world) / 3600
-    prod_h = (
-        passes / (r["prefill_per_producer"] * p05.num_producers * world) / 3600
-        if p05.hidden_source == "vllm"
-        else 0.0
-    )
-    gpus = world + (world * p05.num_producers * tp if p05.hidden_source == "vllm" else 0)
+    prod_h = passes / (r["prefill_per_producer"] * n_prod) / 3600 if vllm and n_prod else 0.0
     slower = "producers" if prod_h > train_h else "trainers"
-    b.time["05"] = {"hours": max(train_h, prod_h), "gpus": gpus, "gpu_hours": max(train_h, prod_h) * gpus,
-                    "how": f"{passes / 1e6:,.0f}M token passes; {slower} set the pace (trainers {train_h:,.1f} h, producers {prod_h:,.1f} h)"}  # fmt: skip
-    n_ds = len(run.stage("01_prepare_A").datasets) + len(run.stage("02_extract_B").datasets)
-    share = arms_share(p07, n_ds)
-    h7 = share * b.time["05"]["hours"]
-    b.time["07"] = {"hours": h7, "gpus": gpus, "gpu_hours": h7 * gpus,
-                    "how": f"{share:.2f} x 05's work in its arms (upper bound), streamed through the producers again"}  # fmt: skip
+    b.time["05"] = _t(max(train_h, prod_h), b.layout["05"]["gpus"], f"{passes / 1e6:,.0f}M token passes; {slower} "
+                      f"set the pace (trainers {train_h:,.1f} h, producers {prod_h:,.1f} h)")  # fmt: skip
+    n_eval = sum(e.max_prompts for e in p06.eval_sets) + p06.online_max_prompts * len(b.counts)
+    t6 = n_eval * p06.eval_max_new_tokens * max(1, len(p06.temperatures))
+    b.time["06"] = _t(t6 / r["decode_per_server"] / 3600, p06.serve_tp,
+                      f"{n_eval:,} prompts x {p06.eval_max_new_tokens} tokens x {max(1, len(p06.temperatures))} "
+                      "temperatures at one node's decode rate (drafts not counted: an upper bound)")  # fmt: skip
+    share = arms_share(p07, len(b.counts))
+    p07_prod = (b.layout["07"]["gpus"] - 1) // max(1, p05.tensor_parallel_size)
+    rate7 = (
+        min(r["train_per_rank"], r["prefill_per_producer"] * p07_prod) if p07_prod else r["train_per_rank"]
+    )
+    b.time["07"] = _t(share * passes / rate7 / 3600, b.layout["07"]["gpus"],
+                      f"{share:.2f} x 05's token passes in its arms (upper bound), one trainer process at "
+                      f"{rate7:,.0f} tokens/s")  # fmt: skip
     return b
 
 
+def _t(hours: float, gpus: int, how: str) -> dict:
+    return {"hours": hours, "gpus": gpus, "gpu_hours": hours * gpus, "how": how}
+
+
 def measured_rates(summary: dict) -> dict[str, float]:
-    """The trainer and producer tokens/s a finished 05 recorded (summary.json ``hidden``), where it has them."""
+    """The trainer and producer tokens/s a finished 05 recorded (summary.json ``hidden``; without it, the
+    summary's tokens/s over its world size), where it has them."""
     h = (summary or {}).get("hidden") or {}
     out = {}
     if h.get("trainer_tokens_per_s"):
         out["train_per_rank"] = float(h["trainer_tokens_per_s"])
+    elif (summary or {}).get("tokens_per_s"):
+        out["train_per_rank"] = float(summary["tokens_per_s"]) / max(1, int(summary.get("world_size") or 1))
     if h.get("producer_tokens_per_s"):
         out["prefill_per_producer"] = float(h["producer_tokens_per_s"])
     return out
@@ -243,31 +409,28 @@ def stage05_rows(
     hf_config, p05, summary: dict | None = None, scale: dict | None = None
 ) -> list[tuple[str, str]]:
     """05's part of the budget for its report: memory per rank, hidden-state bytes, and 05's time at `scale`
-    with the rates this run measured beside the assumed GPU ones (a CPU run's rates say nothing of a GPU's)."""
+    (default the seeds') with the rates this run measured beside the default GPU ones (a CPU run's rates say
+    nothing of a GPU's)."""
     scale = dict(scale or SEEDS_SCALE)
-    mem, counts = memory_per_rank(hf_config, p05)
-    b = Budget(memory=mem, params=counts, scale=scale, rates=dict(ASSUMED_RATES))
+    mem, n_params = memory_per_rank(hf_config, p05)
+    b = Budget(memory=mem, params=n_params, counts=[{"stage": "", "name": "", "sequences": 0, "generated": 0,
+                                                     "trained": scale["tokens"], "how": ""}])  # fmt: skip
     b.hidden = hidden_bytes(hf_config, p05, scale["tokens"])
-    rows = [r for r in b.rows() if not r[0].startswith("rates")]
-    world = max(1, p05.nproc_per_node)
+    rows = [r for r in b.rows() if r[0].startswith(("drafter", "per rank", "hidden", "buffer", "dumping"))]
+    world = ranks(p05)
+    n_prod = -(-world // p05.ranks_per_producer) * p05.num_producers
     passes = p05.epochs * scale["tokens"]
-    for label, rates in (
-        ("assumed GPU rates", ASSUMED_RATES),
+    for label, rr in (
+        ("default GPU rates", DEFAULT_RATES),
         ("this run's measured rates", measured_rates(summary or {})),
     ):
-        if "train_per_rank" not in rates:
-            rows.append(
-                (f"05 at {scale['tokens'] / 1e6:,.0f}M tokens, {label}", "not measured (no vllm source)")
-            )
+        key = f"05 at {scale['tokens'] / 1e6:,.0f}M tokens, {label}"
+        if "train_per_rank" not in rr:
+            rows.append((key, "not measured"))
             continue
-        train_h = passes / (rates["train_per_rank"] * world) / 3600
-        prod = rates.get("prefill_per_producer")
-        prod_h = (
-            passes / (prod * p05.num_producers * world) / 3600
-            if prod and p05.hidden_source == "vllm"
-            else 0.0
-        )
-        rows.append((f"05 at {scale['tokens'] / 1e6:,.0f}M tokens, {label}",
-                     f"{max(train_h, prod_h):,.1f} h (trainers {train_h:,.1f} h at {rates['train_per_rank']:,.0f} tok/s/rank, "
-                     f"producers {prod_h:,.1f} h" + (f" at {prod:,.0f} tok/s each)" if prod else ")")))  # fmt: skip
+        train_h = passes / (rr["train_per_rank"] * world) / 3600
+        prod = rr.get("prefill_per_producer")
+        prod_h = passes / (prod * n_prod) / 3600 if prod and p05.hidden_source == "vllm" else 0.0
+        rows.append((key, f"{max(train_h, prod_h):,.1f} h (trainers {train_h:,.1f} h at {rr['train_per_rank']:,.0f} "
+                     f"tok/s/rank, producers {prod_h:,.1f} h" + (f" at {prod:,.0f} tok/s each)" if prod else ")")))  # fmt: skip
     return rows

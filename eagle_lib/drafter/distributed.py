@@ -13,6 +13,7 @@ import datetime
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ def init(device: torch.device) -> torch.device:
         return device
     _, _, local = world()
     if device.type == "cuda":
+        check_local_rank(local, torch.cuda.device_count())
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -143,12 +145,58 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def launch(nproc: int, argv: list[str]) -> None:
-    """Run ``python -m torch.distributed.run --nproc_per_node nproc <argv>`` and fail loudly if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+def check_local_rank(local: int, gpus: int) -> None:
+    """Refuse a process whose local rank has no GPU on this node (``nproc_per_node`` above the node's GPUs):
+    ``set_device`` would fail with CUDA's "invalid device ordinal", or two ranks would share one GPU."""
+    if local >= gpus:
+        raise RuntimeError(f"local rank {local} has no GPU: this node has {gpus}; nproc_per_node must be at most "
+                           "the GPUs of one node (more ranks: nnodes > 1 with rdzv_endpoint)")  # fmt: skip
+
+
+def torchrun_command(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str = "",
+                     rdzv_id: str = "eagle3") -> list[str]:  # fmt: skip
+    """torchrun's command line: one node alone (``--standalone``), or one of `nnodes` nodes joining the c10d
+    rendezvous at `rdzv_endpoint` (the same line runs on every trainer node; torchrun assigns the node ranks)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes == 1 and not rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        if not rdzv_endpoint:
+            raise ValueError(f"nnodes {nnodes}: a multi-node launch needs rdzv_endpoint (host:port)")
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]  # fmt: skip
+    return [*cmd, f"--nproc_per_node={nproc}", *argv]
+
+
+def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "eagle3",
+           command_file=None) -> None:  # fmt: skip
+    """Run torchrun (`torchrun_command`) here and fail loudly if it fails. With ``nnodes > 1`` the same line
+    must run on the other trainer nodes (from the repository, on the shared run directory): it is printed and
+    written to `command_file` first."""
+    cmd = torchrun_command(nproc, argv, nnodes, rdzv_endpoint, rdzv_id)
+    if nnodes > 1:
+        line = " ".join(cmd)
+        if command_file is not None:
+            Path(command_file).write_text(line + "\n")
+        print(
+            f"training on {nnodes} nodes: run on each of the other {nnodes - 1} trainer nodes:\n  {line}",
+            flush=True,
+        )
     proc = subprocess.run(cmd, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"distributed training failed (exit {proc.returncode}): {' '.join(cmd)}")
+
+
+def producer_groups(world_size: int, ranks_per_producer: int) -> list[list[int]]:
+    """Trainer ranks by the producers that serve them: group g = ranks g*k .. g*k+k-1 (k = ranks_per_producer;
+    the last group may be smaller). Each of a group's ``num_producers`` producers serves every rank of it."""
+    k = max(1, ranks_per_producer)
+    return [list(range(g, min(g + k, world_size))) for g in range(0, world_size, k)]
+
+
+def producer_group(rank: int, ranks_per_producer: int) -> int:
+    """The producer group (`producer_groups`) serving trainer rank `rank`."""
+    return rank // max(1, ranks_per_producer)
 
 
 def shutdown() -> None:

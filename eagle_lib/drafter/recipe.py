@@ -42,6 +42,9 @@ NOT_IN_FINGERPRINT = {
     "max_buffer_gb",
     "keep_hidden_states",
     "start_producers",
+    "nnodes",
+    "rdzv_endpoint",
+    "ranks_per_producer",
 }
 
 
@@ -132,7 +135,14 @@ class Params(params.Strict):
     precision: Literal["auto", "fp32", "bf16"] = (
         "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     )
-    nproc_per_node: int = 1  # >1: relaunch under torchrun with this many processes
+    nproc_per_node: int = 1  # >1: relaunch under torchrun with this many processes (a node's GPUs at most)
+    nnodes: int = (
+        1  # trainer nodes: >1 joins torchrun's c10d rendezvous at rdzv_endpoint (one command a node)
+    )
+    rdzv_endpoint: str = ""  # host:port of the rendezvous (a trainer node's address) when nnodes > 1
+    ranks_per_producer: int = (
+        1  # vllm: trainer ranks one producer serves (consecutive ranks share its engine)
+    )
     sequence_parallel: int = 1  # ranks of a group that split every row's tokens (Ulysses; drafter/seqpar.py)
     distributed: Literal["ddp", "fsdp"] = (
         "ddp"  # ddp | fsdp (shards drafter, grads and optimizer state; large drafters)
@@ -169,6 +179,21 @@ class Params(params.Strict):
         if sp < 1 or 16 % sp or self.nproc_per_node % sp:
             raise ValueError(f"sequence_parallel {sp} must divide 16 (rows are padded to multiples of 16) and "
                              f"nproc_per_node ({self.nproc_per_node})")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _layout(self):
+        if self.nnodes < 1 or self.ranks_per_producer < 1 or self.nproc_per_node < 1:
+            raise ValueError("nnodes, nproc_per_node and ranks_per_producer must be >= 1")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of a trainer node) for torchrun"
+            )
+        if self.ranks_per_producer > 1 and self.hidden_source == "vllm" and self.start_producers:
+            raise ValueError(
+                f"ranks_per_producer {self.ranks_per_producer} needs start_producers: false (a producer "
+                "serving several ranks runs on its own node, from its group's first rank's COMMAND)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from eagle_lib import models, params, store
+from eagle_lib import models, params, progress, store
 from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, recipe, seqpar, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, save_state
 from eagle_lib.engines import machine
@@ -115,6 +115,7 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
     params_ = [q for q in model.parameters() if q.requires_grad]
     every = p.log_every if log_every is None else log_every
     bad, stop = 0, (start + p.stop_after_steps if p.stop_after_steps else total)
+    prog = progress.Progress("step", total, every_s=0, start=start)  # printed every `every` steps
     for step in range(start, min(total, stop)):
         alone_threads(p, source)
         t0 = time.perf_counter()
@@ -152,11 +153,8 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
             store.append_jsonl(log, [row], fsync=False)
             if every and ((step + 1) % every == 0 or step == 0):
                 tau = f" measured tau {row['measured_tau']:.2f}" if "measured_tau" in row else ""
-                print(
-                    f"step {step + 1}/{total} loss {row['loss']:.4f} acc_0 {row['acc_k'][0]:.3f} "
-                    f"tok/s {tokens / row['seconds']:.0f}{tau}",
-                    flush=True,
-                )
+                prog.update(step + 1, f"loss {row['loss']:.4f} acc_0 {row['acc_k'][0]:.3f} "
+                                      f"tok/s {tokens / row['seconds']:.0f}{tau}")  # fmt: skip
         if (step + 1) % p.checkpoint_every == 0 or step + 1 == total:
             checkpoints.save(
                 out, model, opts, scheds, step + 1, fp, history, config, p.keep_checkpoints, world

@@ -1,5 +1,7 @@
 """One engine run over the pending prompts of several 03 datasets, each answer committed to its own dataset's
-responses, errors and ledger (`generate_many`), in an interleaved seeded order (`interleaved`)."""
+responses, errors and ledger (`generate_many`), in an interleaved seeded order (`interleaved`); an engine that
+stops the run (failures clearly past max_error_fraction, no server left) is a `Stopped`, recorded by
+`record_stop`."""
 
 from __future__ import annotations
 
@@ -8,20 +10,40 @@ import time
 from pathlib import Path
 
 from eagle_lib import store
-from eagle_lib.engines.base import Failure, Request, Result
+from eagle_lib.engines.base import EngineError, Failure, Request, Result
 from eagle_lib.engines.ledger import NAME as LEDGER
 from eagle_lib.engines.ledger import Ledger
-from eagle_lib.engines.resume import Writer
+from eagle_lib.engines.resume import InferError, Writer
+
+
+class Stopped(InferError):
+    """The engine stopped 03 mid-run (resumable): `datasets` = per dataset this run's {pending, answered,
+    failed, not_finished}; `reason` = the engine's."""
+
+    def __init__(self, reason: str, datasets: dict[str, dict]):
+        self.reason, self.datasets = reason, datasets
+        counts = "; ".join(f"{n}: {c['answered']} answered, {c['failed']} failed, {c['not_finished']} not finished "
+                           f"of {c['pending']} pending" for n, c in datasets.items())  # fmt: skip
+        super().__init__(f"03_infer stopped early in {', '.join(datasets)} ({counts}): {reason}. The answers "
+                         "written are kept (responses.jsonl, errors.jsonl); a restart resumes")  # fmt: skip
+
+
+def record_stop(path: Path, e: Stopped, engine, probe: dict, p, started: float) -> None:
+    """03's stage meta of a stopped run: status "stopped_early", why, and what each dataset got."""
+    store.write_json(path, {
+        "status": "stopped_early", "reason": e.reason, "datasets": e.datasets, "probe": probe,
+        "servers": engine.server_stats() if hasattr(engine, "server_stats") else [],
+        "deadlines": engine.deadlines.record() if hasattr(engine, "deadlines") else None,
+        "params": p.model_dump(mode="json"), "started": store.now_iso(started), "finished": store.now_iso(),
+    })  # fmt: skip
 
 
 def progress_bar(enabled: bool, total: int, name: str):
-    """A text progress bar; in a notebook kernel on stdout (stderr shows as red noise in the report)."""
-    import sys
+    """A progress line on stdout every ~15 s (prompts done, tokens/s, elapsed, ETA), also on the pipeline's
+    console (`eagle_lib.progress`); tqdm's update/set_postfix_str/close."""
+    from eagle_lib import progress
 
-    from tqdm import tqdm
-
-    out = sys.stdout if "ipykernel" in sys.modules else sys.stderr
-    return tqdm(total=total, desc=name, unit="prompt", disable=not enabled, mininterval=2.0, file=out)
+    return progress.Bar(progress.Progress(name, total, "prompts"), enabled)
 
 
 def generate_many(engine, jobs: dict[str, tuple[list[dict], Path]], tokenizer, p,
@@ -50,7 +72,8 @@ def generate_many(engine, jobs: dict[str, tuple[list[dict], Path]], tokenizer, p
     for lg in ledgers.values():
         lg.start()
     try:
-        for item in engine.generate([Request(r["id"], r["prompt_ids"]) for r in order]):
+        yield_all = engine.generate([Request(r["id"], r["prompt_ids"]) for r in order])
+        for item in _stopping(yield_all, jobs, stats):
             src, name = by_id[item.id], owner[item.id]
             st, (responses, errors) = stats[name], writers[name]
             st["retries"] += item.retries
@@ -89,6 +112,17 @@ def generate_many(engine, jobs: dict[str, tuple[list[dict], Path]], tokenizer, p
         st["generate_seconds"] = wall
         st["tokens_per_s"] = round(st["generated_tokens"] / max(wall, 1e-9), 2)
     return stats
+
+
+def _stopping(items, jobs: dict, stats: dict):
+    """The engine's items; its EngineError mid-run as a Stopped with each dataset's counts so far."""
+    try:
+        yield from items
+    except EngineError as e:
+        raise Stopped(str(e), {n: {"pending": len(pend), "answered": stats[n]["generated"],
+                                   "failed": stats[n]["errors"],
+                                   "not_finished": len(pend) - stats[n]["generated"] - stats[n]["errors"]}
+                               for n, (pend, _) in jobs.items()}) from None  # fmt: skip
 
 
 def interleaved(jobs: dict[str, tuple[list[dict], Path]]) -> list[dict]:

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from eagle_lib.engines.base import Failure, Request, Result, Sampling, check_vocab
+from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling, check_vocab
+from eagle_lib.engines.faults import ErrorBudget
 
 
 def _pick_tokens(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> torch.Tensor:
@@ -95,6 +96,11 @@ class EmbeddedEngine:
     `model.generate(do_sample=False)` with the same stop ids (the generation config's own logits processors,
     e.g. repetition penalty, are not applied). Rows are left-padded with an attention mask and position ids
     counted from each row's first real token, as `generate` does.
+
+    Its only per-request failures are the checks before decoding (a prompt too long for the context, an empty
+    one); anything else raises and stops the run. So the early stop of the HTTP engines (`max_error_fraction`,
+    `faults.ErrorBudget`, over every generate() call) is checked once per call, on exact counts, after those
+    failures are yielded (03 writes them) and before any decoding.
     """
 
     name = "embedded"
@@ -103,7 +109,7 @@ class EmbeddedEngine:
     progress_s = 5.0
 
     def __init__(self, model, sampling: Sampling, batch_size: int = 16, max_batch_tokens: int = 16384,
-                 max_model_len: int = 0, window_batches: int = 1):  # fmt: skip
+                 max_model_len: int = 0, window_batches: int = 1, max_error_fraction: float | None = None):  # fmt: skip
         self.model, self.sampling, self.window_batches = model, sampling, max(1, window_batches)
         self.batch_size, self.max_batch_tokens = batch_size, max_batch_tokens
         self.max_model_len = max_model_len or int(
@@ -111,6 +117,7 @@ class EmbeddedEngine:
         )
         self.device = next(model.parameters()).device
         self._stop = torch.tensor(sorted(sampling.stop_token_ids), dtype=torch.long, device=self.device)
+        self.budget = None if max_error_fraction is None else ErrorBudget(max_error_fraction)
 
     def check(self, tokenizer) -> dict:
         """Vocabulary check against the target tokenizer (no server to probe)."""
@@ -120,16 +127,24 @@ class EmbeddedEngine:
 
     def generate(self, requests: list[Request]) -> Iterator[Result | Failure]:
         """Yield one Result or Failure per request, each as soon as its row finishes."""
-        fits = []
+        fits, failed = [], []
         for r in requests:
             if len(r.prompt_ids) >= self.max_model_len:
-                yield Failure(
+                failed.append(Failure(
                     r.id, "prompt_too_long", f"{len(r.prompt_ids)} tokens >= context {self.max_model_len}"
-                )
+                ))  # fmt: skip
             elif not r.prompt_ids:
-                yield Failure(r.id, "empty_prompt", "no prompt tokens")
+                failed.append(Failure(r.id, "empty_prompt", "no prompt tokens"))
             else:
                 fits.append(r)
+        yield from failed
+        if self.budget is not None:  # every outcome is known now: the rest are answered (or the run raises)
+            self.budget.ok += len(fits)
+            for f in failed:
+                self.budget.add(f.reason)
+            if self.budget.exceeded():
+                raise EngineError(f"engine {self.name}: {self.budget.summary()}: stopped before decoding (the "
+                                  "failures are written; check max_model_len and the prompts)")  # fmt: skip
         w = self.window_batches * self.batch_size
         windows = [
             sorted(fits[i : i + w], key=lambda r: len(r.prompt_ids), reverse=True)

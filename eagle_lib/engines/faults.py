@@ -8,7 +8,10 @@ The rules (`eagle_lib.engines.http` applies them):
   unless the same server has failed it before (then it is charged a retry: the server answers others, not it).
   A refused connection takes the server out of rotation at once; the others after `IN_A_ROW` in a row with no
   answer between (one 5xx behind a router is one of its workers, not the router).
-- a timeout: the request's (``timeout_s`` is the longest an answer may take), charged; the server is out at once.
+- a non-streamed answer past its total deadline (`eagle_lib.engines.deadline`): "timeout", the request's,
+  charged; the server is out at once. Streamed: no new token from a server on any of its requests for `stall_s`
+  is a "stall", the server's (out at once); a request still receiving tokens past its total deadline is a
+  "deadline", charged to it (the server counts it toward `IN_A_ROW`: it is alive, but far slower than the run).
 - HTTP 429: back-pressure, no one's fault: the request goes back uncharged, the server stays in rotation but
   takes no new work until Retry-After (or the backoff) has passed.
 - other 4xx, abort and malformed replies: `Rejected`. One server's rejection is not enough to fail a request (a
@@ -34,7 +37,7 @@ _SCALAR_PREFIX = re.compile(r"-?(\d+(\.\d*)?([eE][+-]?\d*)?)?|t(r(ue?)?)?|f(a(l(
 
 class Retryable(Exception):
     """A transient fault: try again later (maybe elsewhere); `kind`: refused | reset | timeout | http_5xx |
-    http_429 | truncated."""
+    http_429 | truncated | stall | deadline."""
 
     def __init__(self, detail: str, retry_after: float = 0.0, kind: str = "reset"):
         super().__init__(detail)
@@ -48,6 +51,29 @@ class Rejected(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
+
+
+def status_fault(status: int, body: str, url: str, retry_after: float) -> Exception | None:
+    """The exception an HTTP status means (None for a success): 429 and 5xx are Retryable, other 4xx Rejected."""
+    if status == 429 or status >= 500:
+        kind = "http_429" if status == 429 else "http_5xx"
+        return Retryable(f"HTTP {status} from {url}: {body}", retry_after, kind)
+    if status >= 400:
+        return Rejected(f"http_{status}", body)
+    return None
+
+
+def stream_error(event: dict, url: str) -> Exception:
+    """An error event inside a stream (vLLM and SGLang send `{"error": {message, code}}`): Retryable when the
+    server says so or its code is 5xx, else Rejected."""
+    err = event.get("error")
+    err = err if isinstance(err, dict) else {"message": str(err)}
+    code = err.get("code")
+    code = code if isinstance(code, int) else 500 if err.get("retryable") else 0
+    text = f"error event in the stream from {url}: {str(err.get('message', err))[:300]}"
+    if err.get("retryable") or code >= 500:
+        return Retryable(text, kind="http_5xx")
+    return Rejected(f"http_{code}" if code else "stream_error", text)
 
 
 @dataclass
@@ -66,6 +92,8 @@ class ServerHealth:
     answered: int = 0
     tokens: int = 0
     busy_s: float = 0.0  # summed latency of the answers it gave
+    streams: int = 0  # streamed requests in flight on it
+    last_token: float = 0.0  # monotonic time of its last new token (or of its first stream's start)
     failures: Counter = field(default_factory=Counter)
     last_error: str = ""
 
@@ -78,6 +106,18 @@ class ServerHealth:
         self.tokens += n_tokens
         self.busy_s += busy_s
         self.in_a_row = self.throttles = self.level = 0
+
+    def stream_started(self, now: float) -> None:
+        if not self.streams:  # idle until now: the stall clock starts with this stream
+            self.last_token = now
+        self.streams += 1
+
+    def stream_ended(self) -> None:
+        self.streams -= 1
+
+    def stalled(self, now: float, stall_s: float) -> bool:
+        """Streams in flight and no new token on any of them for `stall_s`."""
+        return self.streams > 0 and now - self.last_token > stall_s
 
     def fault(self, now: float, kind: str, detail: str, delay: float, at_once: bool) -> None:
         """A fault or rejection: counted; out of rotation `at_once` or at IN_A_ROW in a row."""

@@ -10,9 +10,12 @@ refused or times out is taken out of rotation at once, one that resets, answers 
 rejects requests after `faults.IN_A_ROW` in a row; a 429 only pauses its workers. While out, its workers take
 no work and a prober re-checks it (the engine's full probe: health, model, tokenizer, fingerprint) after an
 exponential backoff (`backoff_s` doubling up to `backoff_max_s`, with jitter, growing each time it fails again
-before answering). A request is charged a retry only for what is its own: a timeout (``timeout_s`` is the
-longest an answer may take), or a server fault from a server that already failed it once; at `max_retries`
-charged retries it is a Failure "retries_exhausted". A rejection (other 4xx, abort, malformed reply) fails a
+before answering). Answers are streamed (``stream``, `eagle_lib.engines.exchange`), so a slow answer that keeps
+delivering tokens is told from a dead server: a server with no new token on any of its streams for `stall_s` is
+out at once, and one attempt's total deadline follows `max_new_tokens` and the run's measured rates
+(`eagle_lib.engines.deadline`). A request is charged a retry only for what is its own: its total deadline
+passed, or a server fault from a server that already failed it once; at `max_retries` charged retries it is a
+Failure "retries_exhausted". A rejection (other 4xx, abort, malformed reply) fails a
 request only when a second one confirms it, from another server where one is in rotation. Nothing is lost or
 duplicated: a request is in the queue, in flight on one worker, or emitted once. With no server in rotation (or
 all of them answering 429) for `all_down_s`, generate() raises EngineError (03 then stops; a restart resumes);
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import json
 import queue
 import random
 import threading
@@ -37,18 +39,13 @@ from collections.abc import Iterator
 
 import aiohttp
 
-from eagle_lib.engines import client
+from eagle_lib.engines import client, exchange
 from eagle_lib.engines import fingerprint as fpr
 from eagle_lib.engines.base import EngineError, Failure, Request, Result, Sampling
-from eagle_lib.engines.faults import (
-    ErrorBudget,
-    Rejected,
-    Retryable,
-    ServerHealth,
-    WorkItem,
-    WorkQueue,
-    cut_short,
-)
+from eagle_lib.engines.deadline import Deadlines
+from eagle_lib.engines.faults import ErrorBudget, Rejected, Retryable, ServerHealth, WorkItem, WorkQueue
+
+PROGRESS_S = 5.0  # in-flight streams' token counts go to 03's ledger this often (`on_progress`)
 
 PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà vu, 東京, ```code```."
 
@@ -60,24 +57,15 @@ def probe_ids(tokenizer) -> tuple[str, list[int]]:
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def excerpt(body: bytes | str, n: int = 300) -> str:
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    return text[:n].replace("\n", " ")
-
-
-def _retry_after(resp: aiohttp.ClientResponse) -> float:
-    try:
-        return float(resp.headers.get("Retry-After", 0))
-    except ValueError:
-        return 0.0
-
-
 class HttpEngine(abc.ABC):
     """Shared machinery; subclasses define the endpoint, payload, reply parsing and the probe."""
 
     name = "http"
     path = ""
     on_start = None  # callable(id, server url) or None: called at each attempt (03's ledger)
+    on_progress = (
+        None  # callable([(id, tokens so far)]) or None: streams in flight, every PROGRESS_S (ledger)
+    )
 
     def __init__(
         self,
@@ -96,13 +84,19 @@ class HttpEngine(abc.ABC):
         send_seed: bool = True,
         all_down_s: float = 1800.0,
         max_error_fraction: float | None = None,
+        stream: bool = True,
+        stall_s: float = 300.0,
+        min_tokens_per_s: float = 1.0,
     ):
         if not urls:
             raise EngineError(f"engine {self.name}: no server URLs given (server_urls is empty)")
         self.urls = [u.rstrip("/") for u in urls]
         self._calls = 0  # generate() calls so far (rotates which server a call starts with)
         self.sampling, self.vocab_size, self.concurrency = sampling, vocab_size, concurrency
-        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.timeout_s, self.connect_timeout_s, self.stream = timeout_s, connect_timeout_s, stream
+        # stall and total deadlines of one attempt; timeout_s is the total's floor
+        self.deadlines = Deadlines(sampling.max_new_tokens, stall_s, timeout_s, min_tokens_per_s)
+        self._inflight: dict[str, int] = {}  # streamed requests in flight: tokens so far
         self.max_retries, self.backoff_s, self.backoff_max_s = max_retries, backoff_s, backoff_max_s
         self.api_key, self.model, self.send_seed = api_key, model, send_seed
         self.retries = 0  # total charged retries of the last generate()
@@ -124,6 +118,15 @@ class HttpEngine(abc.ABC):
         """(output_ids, finish_reason) from a 200 reply; raise Rejected('malformed', ...) when it is not one."""
 
     @abc.abstractmethod
+    def merge(self, acc: dict | None, event: dict) -> dict:
+        """The streamed answer so far with one more event, in the shape of the non-streamed reply (`parse` reads
+        the last one exactly as it reads that reply)."""
+
+    @abc.abstractmethod
+    def count(self, acc: dict) -> int:
+        """Output tokens in a merged answer so far."""
+
+    @abc.abstractmethod
     async def probe(self, session: aiohttp.ClientSession, url: str, tokenizer) -> dict:
         """Health + model + tokenizer + fingerprint check of one server ({url, model, ..., fingerprint});
         raises EngineError naming it."""
@@ -138,7 +141,8 @@ class HttpEngine(abc.ABC):
 
     # ---- shared helpers -------------------------------------------------------------------------------------
     def _session(self, timeout_s: float | None = None) -> aiohttp.ClientSession:
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, connect=self.connect_timeout_s)
+        """A session whose requests time out after `timeout_s` (None: generation, watched by `supervise`)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, connect=self.connect_timeout_s)
         headers = client.bearer(self.api_key)
         return aiohttp.ClientSession(
             timeout=timeout, headers=headers, connector=aiohttp.TCPConnector(limit=0)
@@ -151,34 +155,9 @@ class HttpEngine(abc.ABC):
     async def request_json(
         self, session, method: str, url: str, body: dict | None = None, json_reply: bool = True
     ):
-        """One HTTP exchange: JSON on 200 (`json_reply`; else None); Retryable for transient faults; Rejected for
-        the rest."""
-        try:
-            async with session.request(method, url, json=body) as resp:
-                raw = await resp.read()
-                if resp.status == 429 or resp.status >= 500:
-                    kind = "http_429" if resp.status == 429 else "http_5xx"
-                    raise Retryable(
-                        f"HTTP {resp.status} from {url}: {excerpt(raw)}", _retry_after(resp), kind
-                    )
-                if resp.status >= 400:
-                    raise Rejected(f"http_{resp.status}", excerpt(raw))
-        except TimeoutError as e:
-            raise Retryable(f"timeout ({type(e).__name__}) on {url}: {e}", kind="timeout") from None
-        except aiohttp.ClientConnectorError as e:
-            raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="refused") from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as e:
-            raise Retryable(f"{type(e).__name__} on {url}: {e}", kind="reset") from None
-        if not json_reply:
-            return None  # e.g. /health answers 200 with an empty body
-        text = raw.decode("utf-8", "replace")
-        try:
-            return json.loads(text)
-        except ValueError:
-            if cut_short(text):  # framed as complete, but the document stops midway: the transport's fault
-                raise Retryable(f"reply cut short ({len(raw)} bytes) from {url}: ...{text[-80:]!r}",
-                                kind="truncated") from None  # fmt: skip
-            raise Rejected("malformed", f"reply is not JSON: {excerpt(raw, 120)!r}") from None
+        """One HTTP exchange (`exchange.request_json`): JSON on 200 (`json_reply`; else None); Retryable for
+        transient faults; Rejected for the rest."""
+        return await exchange.request_json(session, method, url, body, json_reply)
 
     def check_ids(self, ids, finish: str) -> list[int]:
         """Validate output ids: a non-empty list of ints inside the vocabulary, no longer than asked."""
@@ -225,7 +204,7 @@ class HttpEngine(abc.ABC):
             async with self._session(timeout_s=self._probe_timeout()) as s:
                 return await asyncio.gather(*(self._probe_one(s, u, tokenizer) for u in self.urls))
 
-        infos = _run_sync(probe_all())
+        infos = exchange.run_sync(probe_all())
         wrong = [i["error"] for i in infos if "error" in i and not i.get("down")]
         down = [i for i in infos if i.get("down")]
         if wrong or len(down) == len(infos):
@@ -326,7 +305,7 @@ class HttpEngine(abc.ABC):
                 for url in order
             ]
             probers = [asyncio.create_task(self._prober(url, state, stop)) for url in order]
-            tasks = workers + probers
+            tasks = workers + probers + [asyncio.create_task(self._report(state, stop))]
             try:  # until all are emitted, or the first error (all down for all_down_s, too many failures)
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
@@ -335,6 +314,17 @@ class HttpEngine(abc.ABC):
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _report(self, state: dict, stop: threading.Event) -> None:
+        """Every PROGRESS_S: the token counts of the streams in flight to `on_progress` (03's ledger)."""
+        last = time.monotonic()
+        while state["left"] > 0 and not stop.is_set():
+            await asyncio.sleep(0.1)  # not PROGRESS_S at once: generate() ends when the last answer is in
+            if time.monotonic() - last < PROGRESS_S:
+                continue
+            last = time.monotonic()
+            if self.on_progress and (counts := [(i, n) for i, n in self._inflight.items() if n]):
+                self.on_progress(counts)
 
     async def _prober(self, url: str, state: dict, stop: threading.Event) -> None:
         """While `url` is out of rotation: the full probe at its backoff time; back in rotation when it passes.
@@ -402,8 +392,7 @@ class HttpEngine(abc.ABC):
         """One try of a request on `url`: its Result or Failure, or None when it went back to the queue."""
         h, sent = self.health[url], time.monotonic()
         try:
-            data = await self.request_json(session, "POST", url + self.path, self.payload(it.req))
-            ids, finish = self.parse(it.req, data)
+            ids, finish = self.parse(it.req, await self._exchange(session, url, it.req, sent))
         except Rejected as e:
             h.fault(time.monotonic(), e.reason, str(e), self._delay(h.level), at_once=False)
             if it.rejected_on:  # the second rejection confirms the first: the request's own
@@ -413,8 +402,33 @@ class HttpEngine(abc.ABC):
             return None
         except Retryable as e:
             return self._retry(url, it, e, work)
-        h.answer(len(ids), time.monotonic() - sent)
-        return Result(it.req.id, ids, finish, time.monotonic() - it.t0, url, it.attempt)
+        now = time.monotonic()
+        h.answer(len(ids), now - sent)
+        self.deadlines.observe(len(ids), now - sent)
+        return Result(it.req.id, ids, finish, now - it.t0, url, it.attempt)
+
+    async def _exchange(self, session, url: str, req: Request, sent: float):
+        """One request's reply (streamed and merged, or one JSON document), under its deadlines."""
+        h, body = self.health[url], self.payload(req)
+        if not self.stream:
+            return await exchange.supervise(self.request_json(session, "POST", url + self.path, body), h,
+                                            self.deadlines, sent, streamed=False)  # fmt: skip
+
+        def tokens(n: int) -> None:
+            h.last_token = time.monotonic()
+            self._inflight[req.id] = n
+
+        h.stream_started(sent)
+        self._inflight[req.id] = 0
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s)
+        try:
+            return await exchange.supervise(
+                exchange.request_stream(session, url + self.path, body, self.merge, self.count, tokens, timeout),
+                h, self.deadlines, sent, streamed=True,
+            )  # fmt: skip
+        finally:
+            h.stream_ended()
+            self._inflight.pop(req.id, None)
 
     def _retry(self, url: str, it: WorkItem, e: Retryable, work: WorkQueue) -> Failure | None:
         """A transient fault (rules: `eagle_lib.engines.faults`): back to the queue, charged when it is the
@@ -424,10 +438,9 @@ class HttpEngine(abc.ABC):
             h.throttle(now, str(e), max(e.retry_after, self._delay(h.throttles)))
             work.put(it)
             return None
-        h.fault(
-            now, e.kind, str(e), max(e.retry_after, self._delay(h.level)), e.kind in ("refused", "timeout")
-        )
-        charged = e.kind == "timeout" or (e.kind != "refused" and url in it.failed_on)
+        at_once = e.kind in ("refused", "timeout", "stall")
+        h.fault(now, e.kind, str(e), max(e.retry_after, self._delay(h.level)), at_once)
+        charged = e.kind in ("timeout", "deadline") or (e.kind != "refused" and url in it.failed_on)
         it.failed_on = it.failed_on | {url}
         if charged and it.attempt >= self.max_retries:
             return Failure(
@@ -437,21 +450,3 @@ class HttpEngine(abc.ABC):
         self.retries += charged
         work.put(it)
         return None
-
-
-def _run_sync(coro):
-    """Run a coroutine to completion from sync code, also inside Jupyter's running event loop."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

@@ -1,5 +1,6 @@
 """The two HTTP APIs of stage 03 on `eagle_lib.engines.http.HttpEngine`: SGLang's native `/generate` (`SGLangEngine`)
-and OpenAI-compatible `/v1/completions` with token ids (`OpenAIEngine`, vLLM)."""
+and OpenAI-compatible `/v1/completions` with token ids (`OpenAIEngine`, vLLM), each streamed (``stream: true``,
+merged back into the shape of the non-streamed reply, which `parse` then reads) or not."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import json
 
 from eagle_lib.engines import fingerprint as fpr
 from eagle_lib.engines.base import EngineError, Request
-from eagle_lib.engines.http import HttpEngine, Rejected, excerpt, probe_ids
+from eagle_lib.engines.exchange import excerpt
+from eagle_lib.engines.faults import Rejected
+from eagle_lib.engines.http import HttpEngine, probe_ids
+
+# SGLang: one streamed event per this many tokens (its per-request `stream_interval`; the first token comes at
+# once). Its default stream repeats every id so far in each event: per token that would be O(n^2) bytes, ~1 GB
+# for a 16K-token answer; per 64 tokens ~25 MB, and at the seeds' slowest 4.5 tokens/s an event every ~15 s,
+# far inside `stall_s`.
+STREAM_EVERY = 64
 
 
 class SGLangEngine(HttpEngine):
@@ -27,7 +36,26 @@ class SGLangEngine(HttpEngine):
         }
         if self.send_seed and s.temperature > 0:
             sp["sampling_seed"] = s.seed_for(req.id)
-        return {"input_ids": req.prompt_ids, "sampling_params": sp, "stream": False}
+        if self.stream:
+            sp["stream_interval"] = STREAM_EVERY
+        return {"input_ids": req.prompt_ids, "sampling_params": sp, "stream": self.stream}
+
+    def merge(self, acc: dict | None, event: dict) -> dict:
+        """SGLang streams every id so far in each event (its default), or only the new ones
+        (``--incremental-streaming-output``); `meta_info.completion_tokens` (the count so far) tells which."""
+        ids = event.get("output_ids")
+        if not isinstance(ids, list):
+            raise Rejected("malformed", f"stream event without output_ids: {excerpt(json.dumps(event))}")
+        prev = acc["output_ids"] if acc else []
+        n = (event.get("meta_info") or {}).get("completion_tokens")
+        if isinstance(n, int) and n != len(ids) and n == len(prev) + len(ids):
+            ids = prev + ids  # the new ids only
+        elif not (isinstance(n, int) and n == len(ids)) and ids[: len(prev)] != prev:
+            ids = prev + ids  # no count to go by: an event that does not repeat the ids so far adds to them
+        return {**event, "output_ids": ids}
+
+    def count(self, acc: dict) -> int:
+        return len(acc["output_ids"])
 
     def parse(self, req: Request, data) -> tuple[list[int], str]:
         if isinstance(data, list) and len(data) == 1:
@@ -105,11 +133,29 @@ class OpenAIEngine(HttpEngine):
             "return_token_ids": True,
             "skip_special_tokens": False,
             "n": 1,
-            "stream": False,
+            "stream": self.stream,
         }
         if self.send_seed and s.temperature > 0:
             body["seed"] = s.seed_for(req.id)
         return body
+
+    def merge(self, acc: dict | None, event: dict) -> dict:
+        """vLLM streams each choice's new `token_ids` per event and its finish_reason / stop_reason in the last
+        one; an event without choices (usage) adds nothing. Without token ids in an event the merged answer has
+        none (`parse` rejects it as it rejects such a reply)."""
+        prev = acc["choices"][0] if acc else {"token_ids": [], "finish_reason": None}
+        if not event.get("choices"):
+            return acc or {**event, "choices": [prev]}
+        c = event["choices"][0]
+        ids = c.get("token_ids")
+        ok = isinstance(ids, list) and isinstance(prev["token_ids"], list)
+        merged = {**c, "token_ids": prev["token_ids"] + ids if ok else None}
+        if c.get("finish_reason") is None and prev.get("finish_reason") is not None:
+            merged |= {"finish_reason": prev["finish_reason"], "stop_reason": prev.get("stop_reason")}
+        return {**event, "choices": [merged]}
+
+    def count(self, acc: dict) -> int:
+        return len(acc["choices"][0]["token_ids"] or [])
 
     def parse(self, req: Request, data) -> tuple[list[int], str]:
         try:

@@ -132,15 +132,19 @@ def _release(procs: list[subprocess.Popen], stop_file: Path, lock) -> None:
     lock.close()
 
 
-def external_producers(buf: Path, n: int, log=print, session: str = "") -> list[str]:
+def external_producers(buf: Path, n: int, log=print, session: str = "",
+                       group: list[tuple[str, str]] | None = None) -> list[str]:  # fmt: skip
     """``start_producers: false``: the commands that serve this buffer (run them on the serving nodes, from the
     repository, with the vLLM venv), written to ``<buf>/COMMAND`` and printed; returns them. With `session` (the
     plan's), a producer started from this command refuses a buffer that a later trainer run has planned again.
     The buffer is named by its absolute path: a relative ``hidden_dump_dir`` would make the line depend on the
     directory the serving nodes run it from."""
     buf = Path(buf).absolute()
-    tail = f" --session {session}" if session else ""
-    cmds = [f".venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer --buffer {buf} --index {i} --count {n}"
+    # `group`: (buffer, session) of every trainer rank one producer serves (ranks_per_producer), this one's first
+    pairs = group or [(str(buf), session)]
+    bufs = " ".join(f"--buffer {b}" for b, _ in pairs)
+    tail = "".join(f" --session {x}" for _, x in pairs) if all(x for _, x in pairs) else ""
+    cmds = [f".venv-vllm/bin/python -m eagle_lib.hidden_states.vllm_producer {bufs} --index {i} --count {n}"
             f"{tail}" for i in range(n)]  # fmt: skip
     (buf / COMMAND_FILE).write_text("\n".join(cmds) + "\n")
     log(
@@ -219,7 +223,7 @@ class VllmHidden:
     def __init__(self, buf: Path, units, tokens, start: int, ids: list[int], aux_layers: list[int],
                  head: hidden.TargetHead, hidden_size: int, device, *, producer_cfg: dict,
                  num_producers: int = 1, keep: bool = False, start_producers: bool = True,
-                 kept: hidden_store.HiddenStore | None = None):  # fmt: skip
+                 kept: hidden_store.HiddenStore | None = None, write_command: bool = True):  # fmt: skip
         self.buf, self.units, self.next = Path(buf), units, start
         self.ids, self.h, self.device, self.keep, self.kept = ids, hidden_size, device, keep, kept
         self.aux_cols = [ids.index(i + 1) for i in aux_layers]  # unit columns of the aux layers, in order
@@ -248,11 +252,12 @@ class VllmHidden:
         missing = any(
             self.made[u] and not (self.buf / hb.unit_name(u)).exists() for u in range(start, len(units))
         )
+        self.missing = missing
         if start_producers and missing:
             cpu = self.device.type == "cpu"
             self.procs = [launch(self.buf, i, num_producers, self.session, cpu, self.plan_session)
                           for i in range(num_producers)]  # fmt: skip
-        elif missing:
+        elif missing and write_command:  # else the rank group's first rank writes it (`group_command`)
             external_producers(self.buf, num_producers, session=self.plan_session)
         self._finalizer = weakref.finalize(
             self, _release, self.procs, self.buf / f"STOP.{self.session}", lock
@@ -428,10 +433,30 @@ def make_source(cfg, device, hf_config, fingerprint: str):
     kept = hidden_store.HiddenStore(
         root, hidden_store.identity(target, hf_config, embed, head.lm_head, producer_cfg)
     )
+    grouped = p.ranks_per_producer > 1 and distributed.launched()
     src = VllmHidden(buf, units, tokens, start, ids, aux, head, text.hidden_size, device,
                      producer_cfg=producer_cfg, num_producers=p.num_producers, keep=p.keep_hidden_states,
-                     start_producers=p.start_producers, kept=kept)  # fmt: skip
+                     start_producers=p.start_producers, kept=kept, write_command=not grouped)  # fmt: skip
+    if grouped:
+        group_command(src, p.ranks_per_producer, p.num_producers)
     return src, embed, head.lm_head, None
+
+
+def group_command(src: VllmHidden, ranks_per_producer: int, num_producers: int) -> list[str]:
+    """``ranks_per_producer > 1`` (external producers): every rank shares its buffer and plan session; the
+    first rank of each group (`distributed.producer_groups`) writes the command of the producers that serve the
+    whole group (one engine, every rank's buffer) to its own buffer's COMMAND; the others write none."""
+    import torch.distributed as dist
+
+    rank, size, _ = distributed.world()
+    every: list = [None] * size
+    dist.all_gather_object(every, (str(src.buf), src.plan_session, src.missing))
+    group = distributed.producer_groups(size, ranks_per_producer)[
+        distributed.producer_group(rank, ranks_per_producer)
+    ]
+    if rank != group[0] or not any(every[r][2] for r in group):
+        return []
+    return external_producers(src.buf, num_producers, group=[(every[r][0], every[r][1]) for r in group])
 
 
 def _size(f: Path) -> int:

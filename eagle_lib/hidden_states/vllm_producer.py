@@ -200,32 +200,31 @@ class Producer:
         )
 
     def run(self) -> None:
-        scratch = self.scratch
-        shutil.rmtree(scratch, ignore_errors=True)  # a killed run's per-request files
-        scratch.mkdir(parents=True)
-        check_scratch(scratch, self.buf)
+        serve([self])
+
+    def open(self) -> None:
+        """Start serving this buffer: drop a killed run's partial units, list this producer's units."""
         for part in self.buf.glob("unit_*.part"):
             part.unlink()
-        mine = self.mine(0)
+        self.todo, self.pos = self.mine(0), 0
         self.write_stats("starting")
-        engine = make_engine(self.cfg, scratch)
-        pos = 0
+
+    def poll(self):
+        """The next units to make now, reserved in the ledger (a list); else "done" (stopped, or every unit
+        made without ``follow``), "blocked" (the buffer share is full) or "idle" (waiting for the plan)."""
         while True:
             if any(f.exists() for f in self.stop_files) or (self.parent and os.getppid() != self.parent):
-                break  # asked to stop, or the trainer that started us is gone
+                return "done"  # asked to stop, or the trainer that started us is gone
             if self.session and (self.buf / "plan.json").stat().st_mtime_ns != self.plan_mtime:
                 self.plan_mtime = self._check_session()  # rewritten: still ours (resume of the same run)?
-            if pos == len(
-                mine
-            ):  # all planned units made: done, or (follow) wait for units appended to the plan
+            if self.pos == len(self.todo):  # all planned units made: done, or (follow) units appended later
                 if not self.cfg.get("follow"):
-                    break
-                time.sleep(0.05)
-                mine += self.reload(len(self.units))
-                continue
+                    return "done"
+                self.todo += self.reload(len(self.units))
+                return "idle"
             # Look at the files first, then at the cursor: the trainer advances the cursor before it deletes
             # a unit, so a unit seen missing here and consumed meanwhile is below the cursor read after.
-            ahead = mine[pos : pos + self.cfg["units_per_call"]]
+            ahead = self.todo[self.pos : self.pos + self.cfg["units_per_call"]]
             exists = [(self.buf / hb.unit_name(v)).exists() for v in ahead]
             cursor = hb.read_cursor(self.buf)
             self.ledger.release_consumed(cursor)
@@ -236,7 +235,7 @@ class Producer:
                         self.ledger.add(u, (self.buf / hb.unit_name(u)).stat().st_size)
                     except FileNotFoundError:  # consumed in the meantime
                         pass
-                pos += 1
+                self.pos += 1
                 continue
             batch, reserve = [], 0
             for v, made in zip(ahead, exists, strict=True):
@@ -245,25 +244,22 @@ class Producer:
                 batch.append(v)
                 reserve += self.need(v)
             if not batch:  # the buffer is full: wait for the trainer
-                t0 = time.perf_counter()
-                time.sleep(0.02)
-                self.stats["blocked_s"] += time.perf_counter() - t0
-                self.write_stats("blocked")
-                continue
+                return "blocked"
             self.ledger.reserve(reserve)
-            t0 = time.perf_counter()
-            self.produce(engine, batch)
-            self.stats["busy_s"] += time.perf_counter() - t0
-            pos += len(batch)
-            self.write_stats("running")
-        self.write_stats("done")
-        shutil.rmtree(scratch, ignore_errors=True)  # every request file was read (and removed) by produce
+            self.pos += len(batch)
+            return batch
 
     def produce(self, engine, batch: list[int]) -> None:
+        self.write_units(batch, iter(engine.prefill(self.batch_seqs(batch))))
+
+    def batch_seqs(self, batch: list[int]) -> list[list[int]]:
+        return [self.seqs[i] for u in batch for i in self.units[u]]
+
+    def write_units(self, batch: list[int], got) -> None:
+        """Regroup the engine's per-request files (`got`, in `batch_seqs` order) into this buffer's units."""
         import torch
         from safetensors.torch import save_file
 
-        got = iter(engine.prefill([self.seqs[i] for u in batch for i in self.units[u]]))
         for u in batch:
             parts, lengths = [], []
             for i in self.units[u]:
@@ -299,22 +295,99 @@ class Producer:
             self.stats["bytes_written"] += size
 
 
+# settings of a producer's engine that every buffer it serves must share (max_model_len: the largest is taken)
+ENGINE_KEYS = ("target", "layer_ids", "model_dtype", "tensor_parallel_size", "trust_remote_code", "revision",
+               "connector", "language_model_only", "compilation_config", "attention_config")  # fmt: skip
+
+
+def engine_config(lanes: list[Producer]) -> dict:
+    """The one engine's settings for the buffers of `lanes` (several trainer ranks' buffers: one producer
+    serving them all); refuses buffers planned for different engines."""
+    cfg = dict(lanes[0].cfg)
+    for lane in lanes[1:]:
+        diff = [k for k in ENGINE_KEYS if lane.cfg.get(k) != cfg.get(k)]
+        if diff:
+            raise SystemExit(f"{lane.buf}: its producer_config.json differs from {lanes[0].buf}'s in {diff}: one "
+                             "producer serves only buffers of the same engine settings")  # fmt: skip
+    if len(lanes) > 1:
+        cfg["max_model_len"] = max(lane.cfg["max_model_len"] for lane in lanes)
+    return cfg
+
+
+def serve(lanes: list[Producer]) -> None:
+    """Fill the buffers of `lanes` (one trainer rank's buffer each) from one engine: each round takes what each
+    buffer has room for and makes it in one engine call (the ranks' sequences batched together), so a
+    producer node feeds several trainer ranks; each buffer keeps its own share, cursor and stats. The engine's
+    busy time is charged to each buffer by its share of the round's tokens."""
+    scratch = lanes[0].scratch
+    shutil.rmtree(scratch, ignore_errors=True)  # a killed run's per-request files
+    scratch.mkdir(parents=True)
+    check_scratch(scratch, lanes[0].buf)
+    for lane in lanes:
+        lane.open()
+    engine = make_engine(engine_config(lanes), scratch)
+    active = list(lanes)
+    while active:
+        work, blocked = [], []
+        for lane in list(active):
+            got = lane.poll()
+            if got == "done":
+                lane.write_stats("done")
+                active.remove(lane)
+            elif got == "blocked":
+                blocked.append(lane)
+            elif got != "idle":
+                work.append((lane, got))
+        if not work:
+            if active:
+                t0 = time.perf_counter()
+                time.sleep(0.02)
+                for lane in blocked:
+                    lane.stats["blocked_s"] += time.perf_counter() - t0
+                    lane.write_stats("blocked")
+            continue
+        t0 = time.perf_counter()
+        seqs = [lane.batch_seqs(batch) for lane, batch in work]
+        got = iter(engine.prefill([x for part in seqs for x in part]))
+        for lane, batch in work:
+            lane.write_units(batch, got)
+        busy, total = time.perf_counter() - t0, sum(len(x) for part in seqs for x in part)
+        for (lane, _), part in zip(work, seqs, strict=True):
+            lane.stats["busy_s"] += busy * sum(map(len, part)) / max(1, total)
+            lane.write_stats("running")
+    shutil.rmtree(scratch, ignore_errors=True)  # every request file was read (and removed) by write_units
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--buffer", required=True, type=Path)
+    ap.add_argument("--buffer", required=True, type=Path, action="append",
+                    help="a trainer rank's buffer; repeated: one producer (one engine) serves several ranks")  # fmt: skip
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--count", type=int, default=1)
     ap.add_argument("--stop-file", default="STOP", help="exit when this file appears in the buffer")
-    ap.add_argument("--session", default="", help="the trainer session whose plan this producer serves")
+    ap.add_argument("--session", default=[], action="append",
+                    help="the trainer session whose plan this producer serves (one per --buffer, in order)")  # fmt: skip
     ap.add_argument("--scratch", type=Path, default=None,
                     help="local directory for the engine's per-request files (default: under $TMPDIR or /tmp)")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.session and len(a.session) != len(a.buffer):
+        ap.error(f"{len(a.session)} --session for {len(a.buffer)} --buffer: give one per buffer, in order")
+    sessions = a.session or [""] * len(a.buffer)
+    scratch = a.scratch or default_scratch(a.buffer[0], a.index)
     try:
-        Producer(a.buffer, a.index, a.count, a.stop_file, a.session, a.scratch).run()
-    except BaseException as e:  # the trainer waits on this buffer, maybe on another node: tell it, then fail
+        serve(
+            [
+                Producer(b, a.index, a.count, a.stop_file, s, scratch)
+                for b, s in zip(a.buffer, sessions, strict=True)
+            ]
+        )
+    except (
+        BaseException
+    ) as e:  # the trainers wait on these buffers, maybe on other nodes: tell them, then fail
         # SystemExit includes StalePlan: that buffer's stats are the current run's, left alone
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            record_failure(a.buffer, a.index, e)
+            for b in a.buffer:
+                record_failure(b, a.index, e)
         raise
 
 

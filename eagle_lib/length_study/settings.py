@@ -16,7 +16,9 @@ class Params(Strict):
     short_tokens: int = 32  # completions shorter than this count as short (bimodality summary)
     max_short_share: float = 0.25  # warn when more samples than this are short
     max_limit_share: float = 0.05  # warn when more samples than this ended at the limit (truncated)
-    min_reasoning_tokens: int = 3  # a sample reasons if a turn thinks this many tokens (<think></think> is 2)
+    min_reasoning_tokens: int = (
+        3  # a turn reasons with this many tokens to </think> (empty: 1 on Kimi, else 2)
+    )
     reasoning_min_share: float = 0.5  # reasoning dataset: this share of its uncut samples reasons
     p99_limit_fraction: float = 0.98  # warn when a reasoning dataset's p99 reaches this fraction of the limit
     min_median_ratio: float = 0.1  # warn when a median is below this fraction of the median of peers' medians

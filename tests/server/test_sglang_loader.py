@@ -276,7 +276,8 @@ def compare(
     "export_dtype, sglang_dtype, loaded_dtype",
     [
         ("float32", "float32", "float32"),  # the default export, served in float32
-        ("bfloat16", "auto", "bfloat16"),  # the real case's export (export_dtype: bfloat16), SGLang's default
+        # the real case's export (export_dtype: bfloat16), SGLang's default
+        pytest.param("bfloat16", "auto", "bfloat16", marks=pytest.mark.full),
     ],
 )
 def test_sglang_loads_every_exported_tensor(sglang_py, tmp_path, export_dtype, sglang_dtype, loaded_dtype):
@@ -296,7 +297,10 @@ def test_sglang_loads_every_exported_tensor(sglang_py, tmp_path, export_dtype, s
 
 @pytest.mark.parametrize(
     "norms",
-    [("fc_norm", "norm_output"), ("norm_before_fc", "fc_norm", "norm_output")],
+    [
+        pytest.param(("fc_norm", "norm_output"), marks=pytest.mark.full),
+        ("norm_before_fc", "fc_norm", "norm_output"),
+    ],
     ids=["eagle3.1", "all"],
 )
 def test_sglang_loads_the_eagle31_export_with_its_norms(sglang_py, tmp_path, norms):
@@ -320,7 +324,7 @@ def test_sglang_loads_the_eagle31_export_with_its_norms(sglang_py, tmp_path, nor
     "old, new",
     [
         ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.query_proj.weight"),
-        ("fc.weight", "fc_in.weight"),
+        pytest.param("fc.weight", "fc_in.weight", marks=pytest.mark.full),
     ],
 )
 def test_a_renamed_weight_fails_the_comparison(sglang_py, tmp_path, old, new):
@@ -340,6 +344,7 @@ def test_a_renamed_weight_fails_the_comparison(sglang_py, tmp_path, old, new):
     assert any(p.startswith(f"{target}: rows") for p in problems), problems
 
 
+@pytest.mark.full
 def test_sglang_loads_the_mla_export_into_its_eagle3_mla_class(sglang_py, tmp_path):
     """The MLA drafter (``draft_attention: mla``) through SGLang 0.5.23's own Eagle3DeepseekV2ForCausalLM
     (kimi_k25_eagle3.py): every exported tensor lands where that class's load_weights puts it, equal (q_a_proj and

@@ -24,7 +24,7 @@ from eagle_lib.hidden_states import engine_hidden, hidden
 from eagle_lib.toy import datasets
 from eagle_lib.toy import target as toy_target
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.full]  # builds the mini-Kimi world (~8 min)
 AUX = [1, 3, 4]
 RTOL = 1e-4  # max abs diff relative to the layer's max |h| (measured: <= 2.7e-5, |h| up to ~185)
 # --attention-backend CPU_MLA: on an AMX CPU vLLM picks its AMX MLA backend, which refuses fp32 weights

@@ -243,11 +243,13 @@ def test_vllm_tau_agrees_with_offline_speculators(world, speculators_server):
     check_greedy(world, speculators_server, "speculators")
 
 
+@pytest.mark.full
 def test_vllm_tau_agrees_with_offline_sglang_format(world):
     with serve(world, world["exports"]["sglang"], "sglang") as srv:
         check_greedy(world, srv, "sglang")
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("fmt", ["speculators", "sglang"])
 def test_vllm_serves_the_eagle31_export_with_the_offline_tau(world, fmt):
     """EAGLE-3.1 (fc_norm + norm_output): vLLM's greedy output is the target's and its tau the offline
@@ -346,6 +348,7 @@ def test_live_preflight_flags_a_server_with_another_drafter(world):
     assert "live tau" in failed and "~ 1.0" in failed["live tau"]
 
 
+@pytest.mark.full
 def test_live_preflight_flags_an_eagle1_server_on_the_eagle3_drafter(world):
     """vLLM 0.32 starts with method "eagle" on an EAGLE-3 export (it loads the weights and drops fc's aux
     layers): the live preflight flags the method, passes the path, and the probe tau is ~1."""

@@ -13,7 +13,16 @@ Tokens come from a real model (greedy/sampled through eagle_lib.engines.embedded
 Faults are planned per prompt (key = `prompt_key(input_ids)`): a list of actions consumed one per request,
 then "ok"; optionally a random rate of transient faults. Actions: ok, 500, 502, 503, 429, 400, 404,
 malformed (200, not JSON), bad_schema (200, no output_ids), out_of_vocab, abort, reset (connection closed),
-timeout (answer after `timeout_sleep_s`).
+timeout (answer after `timeout_sleep_s`); streamed only: hang (nothing after the first event for
+`timeout_sleep_s`), cut (the connection closed after the first event).
+
+Streaming (``stream: true``) as the real servers do it: Server-Sent Events ``data: {json}``, then ``data: [DONE]``.
+/generate sends the first token at once, then an event per `stream_interval` tokens (sampling param, default 1)
+holding every id so far (SGLang's default; `Faults.incremental`: only the new ones, as
+``--incremental-streaming-output``), `meta_info.completion_tokens` the count so far and `finish_reason` null
+until the last event, which is the non-streamed reply; /v1/completions sends one event per token with that
+token's `token_ids` and the finish_reason / stop_reason in the last (vLLM's shape). `Faults.token_delay_s`:
+seconds per token streamed (a slow but steady server).
 
 Run standalone:  python -m tests.support.sglang_standin --model DIR --port P [--faults JSON] [--tokenizer DIR]
                  [--api-key-env VAR] [--trust-remote-code]
@@ -50,6 +59,8 @@ class Faults:
     timeout_sleep_s: float = 5.0
     delay_s: float = 0.0  # added to every request (slow server)
     trim_stop: bool = False  # reply without the matched stop token (the engine must restore it)
+    token_delay_s: float = 0.0  # streamed: seconds per token
+    incremental: bool = False  # streamed /generate: each event holds only its new ids
 
     @classmethod
     def from_json(cls, text: str) -> Faults:
@@ -130,6 +141,49 @@ async def _fault_reply(app, request: web.Request, act: str) -> web.Response | No
     return None
 
 
+async def _idle(request: web.Request, seconds: float) -> None:
+    """Sleep `seconds`, or until the client hangs up."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(0.05)
+
+
+async def _stream(request: web.Request, events: list[tuple[int, dict]], act: str) -> web.StreamResponse:
+    """Send (tokens, event) pairs as SSE, each after `token_delay_s` x its tokens, then [DONE]."""
+    st: StandIn = request.app[STATE]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    try:
+        for k, (n, event) in enumerate(events):
+            await asyncio.sleep(st.faults.token_delay_s * n)
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            if k == 0 and act == "cut":
+                request.transport.abort()
+                return resp
+            if k == 0 and act == "hang":
+                await _idle(request, st.faults.timeout_sleep_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionError, RuntimeError):  # the client hung up (a stall or deadline on its side)
+        pass
+    return resp
+
+
+def _sglang_events(st: StandIn, final: dict, every: int) -> list[tuple[int, dict]]:
+    """The events of a streamed /generate: the first token, then every `every` tokens, then `final`."""
+    out = final.get("output_ids", [])
+    cuts = sorted({1, *range(every, len(out), every)} - {len(out)}) if len(out) > 1 else []
+    events, sent = [], 0
+    for c in cuts:
+        ids = out[sent:c] if st.faults.incremental else out[:c]
+        meta = final["meta_info"] | {"finish_reason": None, "completion_tokens": c}
+        events.append((c - sent, {"text": st.tokenizer.decode(ids), "output_ids": ids, "meta_info": meta}))
+        sent = c
+    if st.faults.incremental and "output_ids" in final:
+        final = final | {"output_ids": out[sent:]}
+    return [*events, (len(out) - sent, final)]
+
+
 async def generate(request: web.Request) -> web.Response:
     app = request.app
     st: StandIn = app[STATE]
@@ -166,9 +220,10 @@ async def generate(request: web.Request) -> web.Response:
         "e2e_latency": time.monotonic() - t0,
     }
     text = st.tokenizer.decode(out, skip_special_tokens=bool(sp.get("skip_special_tokens", True)))
-    if act == "bad_schema":
-        return web.json_response({"text": text, "meta_info": meta})
-    return web.json_response({"text": text, "output_ids": out, "meta_info": meta})
+    reply = {"text": text, "meta_info": meta} | ({} if act == "bad_schema" else {"output_ids": out})
+    if body.get("stream"):
+        return await _stream(request, _sglang_events(st, reply, int(sp.get("stream_interval") or 1)), act)
+    return web.json_response(reply)
 
 
 async def completions(request: web.Request) -> web.Response:
@@ -198,6 +253,13 @@ async def completions(request: web.Request) -> web.Response:
     }
     if act != "bad_schema":
         choice["token_ids"] = out
+    if body.get("stream"):  # one token per event, the finish in the last
+        events = [(1, {"id": "cmpl-standin", "object": "text_completion", "model": body.get("model"), "choices": [
+            {"index": 0, "text": st.tokenizer.decode([t]), "finish_reason": None, "stop_reason": None}
+            | ({} if act == "bad_schema" else {"token_ids": [t]})]}) for t in out]  # fmt: skip
+        last = events[-1][1]["choices"][0]
+        last |= {"finish_reason": finish, "stop_reason": choice["stop_reason"]}
+        return await _stream(request, events, act)
     return web.json_response(
         {"id": "cmpl-standin", "object": "text_completion", "model": body.get("model"), "choices": [choice]}
     )

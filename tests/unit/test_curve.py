@@ -146,6 +146,7 @@ def _study(rng, truth, sigma_train, replicated, prompt_sd=0.35, eps_sd=0.15, n_p
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_training_noise_makes_the_gain_interval_cover_where_prompts_alone_do_not():
     """Synthetic curves with a known law and known seed noise (sd 0.08 tau per drafter, as the toy's measured seed
     spread): the 95% interval of the doubling gain covers the true gain in most studies when two points carry a

@@ -151,3 +151,56 @@ def test_fsdp_bf16_gathers_bf16_and_keeps_fp32_master_shards(bf16):
     assert got["in_forward"] == ("torch.bfloat16" if bf16 else "torch.float32")
     assert got["master"] == got["grad"] == "torch.float32"
     assert got["local_rows"] * 2 == got["rows"]  # sharded over the 2 ranks
+
+
+def test_torchrun_line_joins_a_rendezvous_on_several_nodes(tmp_path, monkeypatch):
+    """nnodes > 1: every trainer node runs the same torchrun line with a c10d rendezvous (the old launch could
+    only run `--standalone`, one node); the line is written for the other nodes before the launch."""
+    import subprocess
+
+    from eagle_lib.drafter import distributed
+
+    one = distributed.torchrun_command(8, ["-m", "eagle_lib.train", "x.json"])
+    assert one[3:] == ["--standalone", "--nproc_per_node=8", "-m", "eagle_lib.train", "x.json"]
+    two = distributed.torchrun_command(8, ["-m", "eagle_lib.train", "x.json"], 2, "node0:29500", "run1")
+    assert "--standalone" not in two
+    assert two[3:] == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=run1",
+                       "--nproc_per_node=8", "-m", "eagle_lib.train", "x.json"]  # fmt: skip
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        distributed.torchrun_command(8, [], 2, "")
+    ran = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, check: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0)
+    )
+    distributed.launch(
+        8, ["-m", "eagle_lib.train", "x.json"], 2, "node0:29500", "run1", tmp_path / "TORCHRUN"
+    )
+    assert ran == [two] and (tmp_path / "TORCHRUN").read_text() == " ".join(two) + "\n"
+
+
+def test_a_rank_past_the_nodes_gpus_is_refused_before_set_device(monkeypatch):
+    """nproc_per_node 16 on an 8-GPU node: local rank 8 has no GPU; the old init called set_device(8)."""
+    import torch.distributed as dist
+
+    from eagle_lib.drafter import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) called"))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined the group"))
+    with pytest.raises(RuntimeError, match="local rank 8 has no GPU: this node has 8; nproc_per_node"):
+        distributed.init(torch.device("cuda"))
+
+
+def test_ranks_are_grouped_by_the_producer_that_serves_them():
+    from eagle_lib.drafter import distributed
+
+    # the Kimi layout: 8 ranks, 3 a producer (the last producer serves 2)
+    assert distributed.producer_groups(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [distributed.producer_group(r, 3) for r in range(8)] == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert distributed.producer_groups(4, 1) == [[0], [1], [2], [3]]  # one producer a rank (the default)
+    for world, k in [(8, 3), (16, 4), (5, 2), (3, 8)]:  # every rank in exactly the group producer_group names
+        groups = distributed.producer_groups(world, k)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(r in groups[distributed.producer_group(r, k)] for r in range(world))

@@ -253,7 +253,8 @@ def test_transient_faults_are_retried_until_success(world, prompts, standin):
     standin.faults = Faults(plans=plans, timeout_sleep_s=3.0)
     standin.counts.clear()
     with ServerThread(standin) as url:
-        eng = http(SGLangEngine, url, s, timeout_s=1.0)
+        # not streamed: its deadline max(timeout_s, stall_s + max_new_tokens / rate) is 1 s
+        eng = http(SGLangEngine, url, s, timeout_s=1.0, stream=False, stall_s=0.5, min_tokens_per_s=100.0)
         got = {r.id: r for r in eng.generate(reqs(ps))}
     ref = embedded_ref(model, ps, s)
     assert all(isinstance(r, Result) for r in got.values())
@@ -444,23 +445,25 @@ def test_a_dead_server_and_one_killed_mid_run_cost_no_retries(world, prompts, de
     assert stats[live]["answered"] + stats[flaky]["answered"] == len(ps)
 
 
-def test_a_server_that_accepts_but_never_answers_leaves_the_rotation(world, prompts, standin):
-    """A socket that only listens: its requests time out (charged to them: a timeout is the request's), the
-    server is out of rotation after the first, and the other server answers everything."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_server_that_accepts_but_never_answers_leaves_the_rotation(world, prompts, standin, stream):
+    """A socket that only listens: the server is out of rotation after its first failure, and the other server
+    answers everything. Streamed, no token from it on any stream for stall_s is a stall, the server's fault
+    (uncharged); not streamed, the requests time out at their deadline (charged: it is all the engine knows)."""
     s = Sampling(max_new_tokens=4)
     standin.faults = Faults()
     with socket.socket() as hole, ServerThread(standin) as good:
         hole.bind(("127.0.0.1", 0))
         hole.listen(64)  # connections complete in the backlog; nothing is ever read or answered
         black = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        eng = http(
-            SGLangEngine, [black, good], s, concurrency=2, timeout_s=1.0, backoff_s=5.0, backoff_max_s=5.0
-        )
+        eng = http(SGLangEngine, [black, good], s, concurrency=2, timeout_s=1.0, backoff_s=5.0,
+                   backoff_max_s=5.0, stream=stream, stall_s=1.0, min_tokens_per_s=100.0)  # fmt: skip
         got = list(eng.generate(reqs(prompts[:8])))
     assert len(got) == 8 and all(isinstance(r, Result) and r.server == good for r in got)
     st = {r["url"]: r for r in eng.server_stats()}
-    assert not st[black]["in_rotation"] and st[black]["failures"] == {"timeout": 2}  # its 2 slots, once each
-    assert eng.retries == 2 and st[good]["answered"] == 8
+    kind = "stall" if stream else "timeout"
+    assert not st[black]["in_rotation"] and st[black]["failures"] == {kind: 2}  # its 2 slots, once each
+    assert eng.retries == (0 if stream else 2) and st[good]["answered"] == 8
 
 
 def test_starts_with_a_server_down_and_refuses_only_when_all_are(world, standin):
@@ -571,7 +574,7 @@ def test_a_reply_cut_short_is_retried_not_failed(world, prompts, monkeypatch):
     st.cut = set()
     s = Sampling(max_new_tokens=6)
     with ServerThread(st) as url:
-        eng = http(SGLangEngine, url, s)
+        eng = http(SGLangEngine, url, s, stream=False)  # one JSON body (streamed cuts: test_streaming.py)
         got = list(eng.generate(reqs(prompts[:4])))
     assert all(isinstance(r, Result) and r.retries == 0 for r in got) and len(got) == 4
     ref = embedded_ref(model, prompts[:4], s)

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from eagle_lib import infer, infer_tables, params, store
-from eagle_lib.engines.base import EngineError, Request, Sampling
+from eagle_lib.engines.base import Request, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine
 from eagle_lib.engines.http_apis import SGLangEngine
 from eagle_lib.pipeline import REPO_ROOT
@@ -344,13 +344,42 @@ def test_stage_stops_early_when_failures_are_clearly_too_many(world, tmp_path):
     )
     with ServerThread(standin) as url:
         http = {"engine": "sglang", "server_urls": [url], "concurrency": 2, "timeout_s": 20.0}
-        with pytest.raises(EngineError, match="clearly past max_error_fraction 0.01"):
+        # the stop is 03's clear error (it was the engine's bare EngineError, with no meta written), naming the
+        # dataset and its counts; infer/meta.json says it stopped early and what each dataset got
+        with pytest.raises(
+            infer.InferError,
+            match=r"(?s)stopped early in a \(a: 0 answered, 1\d failed, \d+ not "
+            r"finished of 40 pending\).*clearly past max_error_fraction 0.01.*restart resumes",
+        ):
             infer.run(config(run, d, **http))
-        assert 10 <= len(store.read_jsonl(run / "infer/a/errors.jsonl")) <= 12
+        errors = store.read_jsonl(run / "infer/a/errors.jsonl")
+        assert 10 <= len(errors) <= 12
+        meta = store.read_json(run / "infer/meta.json")
+        assert meta["status"] == "stopped_early" and "max_error_fraction" in meta["reason"]
+        assert meta["datasets"]["a"] == {"pending": 40, "answered": 0, "failed": len(errors),
+                                         "not_finished": 40 - len(errors)}  # fmt: skip
         standin.faults = Faults()
         meta = infer.run(config(run, d, **http))
     assert (meta["kept"], meta["rejected"]) == (40, 0)
     assert {r["id"]: r["output_ids"] for r in records(run, "a")} == reference(d, prompts)
+
+
+def test_embedded_engine_stops_before_decoding_when_failures_are_clearly_too_many(world, tmp_path):
+    """The embedded engine's only per-request failures (too long, empty) are known before decoding: with most
+    prompts too long for the context it writes them and stops at once (the old engine decoded every other
+    prompt, then failed the stage); the stop is recorded as the HTTP engines' is."""
+    d, tok = world
+    run = make_run(tmp_path, tok, {"a": 30})
+    prompts = store.read_jsonl(run / "data/B/a/prompts.jsonl")
+    short = sorted(len(p["prompt_ids"]) for p in prompts)[5]  # the 5 shortest fit
+    too_long = sum(len(p["prompt_ids"]) >= short for p in prompts)
+    with pytest.raises(infer.InferError, match=rf"stopped early in a \(a: 0 answered, {too_long} failed, "
+                       rf"{30 - too_long} not finished of 30 pending\).*stopped before decoding"):  # fmt: skip
+        infer.run(config(run, d, max_model_len=short))
+    assert not (run / "infer/a/responses.jsonl").exists() or records(run, "a") == []
+    errors = store.read_jsonl(run / "infer/a/errors.jsonl")
+    assert len(errors) == too_long and {e["reason"] for e in errors} == {"prompt_too_long"}
+    assert store.read_json(run / "infer/meta.json")["status"] == "stopped_early"
 
 
 def test_stage_fails_fast_when_the_server_is_down(world, tmp_path, monkeypatch):

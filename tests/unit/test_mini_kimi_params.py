@@ -37,6 +37,8 @@ ALLOWED: dict[str, str] = {
     "stages.05_train_eagle3.max_seq_len": "size",
     "stages.05_train_eagle3.max_eval_samples": "size",
     "stages.05_train_eagle3.nproc_per_node": "size: 2 processes on 2 cores",
+    "stages.05_train_eagle3.ranks_per_producer": "size: one producer a rank here (the pipeline test runs every rank's "
+    "COMMAND); Kimi's 3 ranks a TP-8 producer fit 4 x 8 GPUs",
     "stages.05_train_eagle3.checkpoint_every": "size",
     "stages.05_train_eagle3.log_every": "size",
     "stages.06_eval_acceptance.online_engine": "machine: SGLang cannot serve on these CPUs, vLLM CPU does",
