@@ -3,11 +3,13 @@
 Each workload runs in its own subprocess with N torch threads, first on an idle machine, then while a burner
 process (the same kind of work, with every core's threads: another stage or a test run) shares the cores. It
 prints tokens/s per case and the loaded/idle ratio; the project's rule (`eagle_lib.engines.machine.cpu_threads`)
-is the thread count whose loaded speed holds up best. Workloads: greedy decoding of a random Llama with the toy
+is the thread count whose loaded speed holds up best. `--wait-policy` also varies OpenMP's wait policy of the measured
+process (`OMP_WAIT_POLICY`; the burner keeps the default): with `active` (libgomp's default spin) a 2-thread torch job
+beside another CPU-bound job collapses, with `passive` its idle threads sleep instead of spinning. Workloads: greedy decoding of a random Llama with the toy
 target's shape (hidden 128, 8 layers, vocab 4096; batch 8, 48 new tokens, KV cache) as 03's embedded engine and
 06's verifier run it, and one TTT forward + backward of the toy drafter (T = 1024, k = 3) as 05/07 run it.
 
-    .venv/bin/python benchmarks/bench_threads.py [--threads 1 2] [--repeat 3]
+    .venv/bin/python benchmarks/bench_threads.py [--threads 1 2] [--repeat 3] [--wait-policy default passive]
 """
 
 from __future__ import annotations
@@ -76,8 +78,11 @@ def ttt_step(seconds: float) -> tuple[int, float]:
 WORK = {"decode": decode, "ttt": ttt_step}
 
 
-def run(work: str, threads: int, seconds: float) -> subprocess.Popen:
+def run(work: str, threads: int, seconds: float, policy: str = "default") -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env.pop("OMP_WAIT_POLICY", None)
+    if policy != "default":
+        env["OMP_WAIT_POLICY"] = policy.upper()
     cmd = [sys.executable, __file__, "--worker", work, "--threads", str(threads), "--seconds", str(seconds)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
 
@@ -94,6 +99,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--burner-threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--wait-policy", nargs="+", default=["default"], choices=["default", "active", "passive"])
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
@@ -109,17 +115,20 @@ def main() -> None:
         return
     print(f"{os.cpu_count()} cores; burner: the same workload with {a.burner_threads} threads; tokens/s, best of "
           f"{a.repeat}")  # fmt: skip
-    print(f"{'workload':>8} {'threads':>7} | {'idle':>8} {'loaded':>8} | loaded/idle")
+    print(f"{'workload':>8} {'threads':>7} {'wait':>8} | {'idle':>8} {'loaded':>8} | loaded/idle")
     for work in WORK:
         for n in a.threads:
-            idle = max(rate(run(work, n, a.seconds)) for _ in range(a.repeat))
-            loaded = []
-            for _ in range(a.repeat):
-                burner = run(work, a.burner_threads, a.seconds + 4)
-                time.sleep(2)
-                loaded.append(rate(run(work, n, a.seconds)))
-                burner.communicate()
-            print(f"{work:>8} {n:>7} | {idle:8.0f} {max(loaded):8.0f} | {max(loaded) / idle:.2f}")
+            for pol in a.wait_policy if n > 1 else a.wait_policy[:1]:  # one thread: no OpenMP workers to wait
+                idle = max(rate(run(work, n, a.seconds, pol)) for _ in range(a.repeat))
+                loaded = []
+                for _ in range(a.repeat):
+                    burner = run(work, a.burner_threads, a.seconds + 4)
+                    time.sleep(2)
+                    loaded.append(rate(run(work, n, a.seconds, pol)))
+                    burner.communicate()
+                print(
+                    f"{work:>8} {n:>7} {pol:>8} | {idle:8.0f} {max(loaded):8.0f} | {max(loaded) / idle:.2f}"
+                )
 
 
 if __name__ == "__main__":

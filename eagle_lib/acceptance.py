@@ -103,6 +103,7 @@ class Params(params.Strict):
     online_api_key_env: str = (
         ""  # NAME of the variable holding the server's --api-key (sent as a Bearer token)
     )
+    llamacpp: bool = False  # also serve the drafter in llama.cpp beside the GGUF target (make llamacpp-env)
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -8,6 +8,7 @@ removed with the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -90,3 +91,36 @@ class ConsoleTail(threading.Thread):
         *lines, self.buf = (self.buf + chunk).split(b"\n")
         for line in lines:
             self.show(line.decode("utf-8", "replace"))
+
+
+# Progress bars and load chatter are noise in an executed report (and tqdm without ipywidgets prints
+# "IProgress not found" to stderr): the kernel papermill starts inherits these.
+REPORT_ENV = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore:IProgress not found",  # tqdm.auto's warning when ipywidgets is absent
+}
+# OpenMP's wait policy of the stage kernels (read once, when torch loads libgomp): idle worker threads sleep
+# instead of spinning, so a stage on 2 threads beside another CPU-bound job slows down instead of collapsing
+# (benchmarks/bench_threads.py --wait-policy default passive: docs/MACHINES.md). A value the user set is kept.
+# The vLLM servers and producers a stage starts get the default back (vllm_server.server_env).
+WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+@contextlib.contextmanager
+def report_env(extra: dict | None = None):
+    """Set REPORT_ENV (and `extra`) for the duration (the notebook kernel is started inside), then restore."""
+    want = {**REPORT_ENV, WAIT_POLICY: os.environ.get(WAIT_POLICY, "PASSIVE"), **(extra or {})}
+    saved = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -26,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eagle_lib.console import ConsoleTail, ipc_kernel_manager
+from eagle_lib.console import ConsoleTail, ipc_kernel_manager, report_env
 from eagle_lib.params import STAGES, ParamsError, RunParams, StageSpec, load_params
 from eagle_lib.progress import CONSOLE_ENV
 from eagle_lib.store import read_json, stable_hash, write_json
@@ -250,34 +248,6 @@ class Runner:
             "started": _now(),
             "stages": old.get("stages", {}),
         }
-
-
-# Progress bars and load chatter are noise in an executed report (and tqdm without ipywidgets prints
-# "IProgress not found" to stderr): the kernel papermill starts inherits these.
-REPORT_ENV = {
-    "TQDM_DISABLE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONWARNINGS": "ignore:IProgress not found",  # tqdm.auto's warning when ipywidgets is absent
-}
-
-
-@contextlib.contextmanager
-def report_env(extra: dict | None = None):
-    """Set REPORT_ENV (and `extra`) for the duration (the notebook kernel is started inside), then restore."""
-    want = {**REPORT_ENV, **(extra or {})}
-    saved = {k: os.environ.get(k) for k in want}
-    os.environ.update(want)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _now() -> str:

@@ -57,6 +57,13 @@ def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool =
     return env
 
 
+def server_env(env: dict[str, str]) -> dict[str, str]:
+    """A vLLM process's environment: this one's, without OpenMP's wait policy (a stage kernel runs with PASSIVE,
+    eagle_lib.console; vLLM's CPU kernels keep libgomp's default spin), plus `env`."""
+    full = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return {**full, **env}
+
+
 @dataclass
 class VllmServer:
     """A running server: `base_url`, `model` (the served name), `log_path`; `stop()` ends it."""
@@ -160,7 +167,7 @@ def start_vllm(
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
     cmd += list(extra_args or [])
-    full_env = {**os.environ, **cpu_env(cpu_fixes=cpu_fixes), **(env or {})}
+    full_env = server_env({**cpu_env(cpu_fixes=cpu_fixes), **(env or {})})
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"

@@ -8,8 +8,9 @@ import papermill as pm
 import pytest
 from nbclient import NotebookClient
 
+from eagle_lib.console import report_env
 from eagle_lib.params import STAGES
-from eagle_lib.pipeline import REPO_ROOT, report_env
+from eagle_lib.pipeline import REPO_ROOT
 
 NOTEBOOKS = [s for s in STAGES.values() if (REPO_ROOT / s.notebook).exists()]
 

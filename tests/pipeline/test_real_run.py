@@ -38,10 +38,14 @@ SLICE = {  # stage -> keys replaced in params/smollm2.yaml (datasets: per-datase
 
 
 def slice_params(path: Path) -> Path:
-    """params/smollm2.yaml with SLICE's sizes, written to `path` (run_name real_ci)."""
+    """params/smollm2.yaml with SLICE's sizes, written to `path` (run_name real_ci); 06 also serves the drafter in
+    llama.cpp beside the GGUF target where llama.cpp is built (`make test` builds it)."""
+    from eagle_lib.serving import llamacpp
+
     run = yaml.safe_load(REAL.read_text())
     out = copy.deepcopy(run)
     out["run_name"] = "real_ci"
+    out["stages"]["06_eval_acceptance"]["llamacpp"] = llamacpp.missing() is None
     out["shared"].update(SLICE["shared"])
     for stage, keys in SLICE.items():
         if stage == "shared":
@@ -110,3 +114,18 @@ def test_the_slice_measures_tau_on_mt_bench_and_humaneval_offline_and_served(rea
     assert speed["speedup"] == pytest.approx(speed["tokens_per_s"] / speed["tokens_per_s_no_draft"], rel=1e-2)
     v = _meta(real_run, "value")
     assert v["headline"]
+
+
+@pytest.mark.server
+def test_the_slice_serves_its_drafter_in_llama_cpp_beside_the_gguf_target(real_run):
+    """06 with `llamacpp: true` (the notebook's own cell): our speculators export through llama.cpp's converter,
+    llama-server with the Q4_1 target and the draft answers 06's online prompts as the target alone does."""
+    from eagle_lib.serving import llamacpp
+
+    if llamacpp.missing():
+        pytest.skip(llamacpp.missing())
+    table = pd.read_csv(real_run / "eval" / "llamacpp.csv")
+    greedy = table[table["temperature"] == 0.0]
+    assert len(greedy) > 0 and (greedy["greedy_equal_or_tie"] == 1.0).all(), greedy.to_string()
+    assert (table["tokens_per_s"] > 0).all() and (table["tokens_per_s_no_draft"] > 0).all()
+    assert _meta(real_run, "eval")["headline"]["llamacpp"]

@@ -215,8 +215,12 @@ def test_ledger_of_starts_and_a_seeded_random_order(world, tmp_path, monkeypatch
     monkeypatch.setattr(EmbeddedEngine, "progress_s", 0.0)  # a streamed count at every decoding step
     meta = infer.run(config(run, d, batch_size=4))
     cut = meta["finish_reason"].get("length", 0)
-    assert infer.answer_text(meta).startswith("**24 of 24 prompts answered** (0 errors) in 1 datasets: ")
-    assert ("1 dataset(s) cut at max_new_tokens in > 5%" in infer.answer_text(meta)) == (cut > 0.05 * 24)
+    assert infer_tables.answer_text(meta).startswith(
+        "**24 of 24 prompts answered** (0 errors) in 1 datasets: "
+    )
+    assert ("1 dataset(s) cut at max_new_tokens in > 5%" in infer_tables.answer_text(meta)) == (
+        cut > 0.05 * 24
+    )
     lines, recs = store.read_jsonl(run / "infer/a/started.jsonl"), records(run, "a")
     starts, counts = [s for s in lines if "n" not in s], [s for s in lines if "n" in s]
     done = {r["id"]: r for r in recs}

