@@ -12,7 +12,6 @@ whose tail is quoted in every error.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import tempfile
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle_lib.engines import client
+from eagle_lib.engines.local_process import LocalServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # eagle_lib/engines/ -> the repo
 VLLM_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # environment variable overriding the vLLM interpreter
@@ -65,7 +65,7 @@ def server_env(env: dict[str, str]) -> dict[str, str]:
 
 
 @dataclass
-class VllmServer:
+class VllmServer(LocalServer):
     """A running server: `base_url`, `model` (the served name), `log_path`; `stop()` ends it."""
 
     proc: subprocess.Popen
@@ -73,40 +73,6 @@ class VllmServer:
     model: str
     log_path: Path
     cmd: list[str] = field(default_factory=list)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`; idempotent."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def __enter__(self) -> VllmServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def wait_ready(srv: VllmServer, timeout_s: float) -> None:

@@ -21,7 +21,6 @@ waits until ``tokens_predicted_total`` has grown by what the replies reported (:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle_lib.engines import client
+from eagle_lib.engines.local_process import LocalServer
 from eagle_lib.engines.vllm_server import free_port
 from eagle_lib.serving.llamacpp import SPEC_TYPE, LlamaCppError, server_binary
 
@@ -41,46 +41,15 @@ COUNTERS = {
 
 
 @dataclass
-class LlamaServer:
+class LlamaServer(LocalServer):
     """A running llama-server: `base_url`, `log_path`, `cmd`; `stop()` ends it (its process group, by PID)."""
 
     proc: subprocess.Popen
     port: int
     log_path: Path
     cmd: list[str] = field(default_factory=list)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    LOG_LINES = 30
+    STOP_WAITS = (10.0, 5.0)
 
 
 def server_command(target_gguf: str | Path, draft_gguf: str | Path | None = None, *, num_steps: int = 3,

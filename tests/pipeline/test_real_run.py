@@ -128,4 +128,5 @@ def test_the_slice_serves_its_drafter_in_llama_cpp_beside_the_gguf_target(real_r
     greedy = table[table["temperature"] == 0.0]
     assert len(greedy) > 0 and (greedy["greedy_equal_or_tie"] == 1.0).all(), greedy.to_string()
     assert (table["tokens_per_s"] > 0).all() and (table["tokens_per_s_no_draft"] > 0).all()
-    assert _meta(real_run, "eval")["headline"]["llamacpp"]
+    recorded = json.loads((real_run / "metrics" / "06_eval_acceptance.json").read_text())["llamacpp"]
+    assert recorded["T=0"]["verdict"] == "agree" and "--spec-type draft-eagle3" in recorded["command"]
