@@ -91,7 +91,8 @@ class Lengths:
         c["prompt"].append(prompt)
         c["completion"].append(completion)
         c["reasoning"].append(reasoning)  # 0: no end-of-thinking token
-        c["think_span"].append(think_span)  # the longest turn's reasoning (A: an empty <think></think> is 2)
+        # the longest turn's reasoning (an empty block: 2 tokens; 1 where the prompt opens <think>, as Kimi's does)
+        c["think_span"].append(think_span)
         c["status"].append(status)  # 0 stop, 1 at the limit, 2 other
 
     def arrays(self) -> dict[str, np.ndarray]:
