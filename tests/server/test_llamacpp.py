@@ -27,6 +27,7 @@ from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_targe
 from eagle_lib.drafter.vocab import build_vocab_map
 from eagle_lib.serving import export, llamacpp, specdec
 from eagle_lib.serving import llamacpp_server as ls
+from tests.support import eagle_tiny
 
 REASON = llamacpp.missing()
 pytestmark = [pytest.mark.server, pytest.mark.slow] + ([pytest.mark.skip(reason=REASON)] if REASON else [])
@@ -62,16 +63,7 @@ def distill(drafter, target, prompts: list[list[int]], answers: list[list[int]])
             drafter.draft_ids(), t2d_ids
         )  # draft-vocab labels (every answer token is in it)
         data.append((torch.tensor(ids[1:-1]), f[:-2], y, len(p) - 2))
-    opt = torch.optim.Adam(drafter.trainable_parameters(), lr=3e-3)
-    drafter.train()
-    for step in range(STEPS):
-        ids, f, y, start = data[step % len(data)]
-        _, logits = drafter(ids[None], drafter.project(f[None]), torch.arange(len(ids))[None])
-        loss = torch.nn.functional.cross_entropy(logits[0, start:], y[start:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    drafter.eval()
+    eagle_tiny.memorize(drafter, data, STEPS)
 
 
 @pytest.fixture(scope="module")

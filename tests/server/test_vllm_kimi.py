@@ -23,6 +23,7 @@ from eagle_lib.engines.vllm_server import start_vllm, vllm_python
 from eagle_lib.hidden_states import engine_hidden, hidden
 from eagle_lib.toy import datasets
 from eagle_lib.toy import target as toy_target
+from tests.support import eagle_tiny
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.full]  # builds the mini-Kimi world (~8 min)
 AUX = [1, 3, 4]
@@ -148,16 +149,7 @@ def distill_on_greedy(drafter, model, seqs: list[list[int]], starts: list[int], 
         f = cap.take()[0]
         y = torch.searchsorted(drafter.draft_ids(), nxt[1:])  # draft ids: the kept target ids, ascending
         data.append((torch.tensor(ids[1:]), f[:-1], y, start - 1))
-    opt = torch.optim.Adam(drafter.trainable_parameters(), lr=3e-3)
-    drafter.train()
-    for step in range(steps):
-        ids, f, y, start = data[step % len(data)]
-        _, logits = drafter(ids[None], drafter.project(f[None]), torch.arange(len(ids))[None])
-        loss = torch.nn.functional.cross_entropy(logits[0, start:], y[start:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    drafter.eval()
+    eagle_tiny.memorize(drafter, data, steps)
 
 
 def test_vllm_serves_the_mla_drafter_beside_the_mla_target_with_the_offline_tau(kimi, tmp_path):

@@ -112,3 +112,18 @@ def load_target(root: Path):
 
     path = make_target(root)
     return path, AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def memorize(drafter, data: list, steps: int, lr: float = 3e-3) -> None:
+    """Fit `drafter` on (ids, aux features, draft-vocab labels, first label position) rows, cycling through them
+    with Adam for `steps` steps (a drafter that has learned its target's answers by heart); leaves it in eval."""
+    opt = torch.optim.Adam(drafter.trainable_parameters(), lr=lr)
+    drafter.train()
+    for step in range(steps):
+        ids, f, y, start = data[step % len(data)]
+        _, logits = drafter(ids[None], drafter.project(f[None]), torch.arange(len(ids))[None])
+        loss = torch.nn.functional.cross_entropy(logits[0, start:], y[start:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.eval()
