@@ -20,6 +20,7 @@ import torch
 
 from eagle_lib import models
 from eagle_lib.drafter import distributed
+from eagle_lib.engines import machine
 from eagle_lib.serving import specdec
 
 
@@ -63,7 +64,7 @@ class Meter:
         drafter.eval()
         runner = specdec.TargetRunner(self.target, self.aux_layers)
         accepted = []
-        with torch.no_grad():
+        with torch.no_grad(), machine.decoding_threads():  # not the training step's threads_alone
             for ids in self.prompts:
                 g = specdec.speculative_generate(
                     runner, specdec.EagleProposer(drafter), ids, self.max_new_tokens, self.k, self.eos_ids

@@ -7,6 +7,7 @@ its machine (vLLM's AVX-512 build dies with SIGILL on an AVX2-only CPU).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -51,6 +52,24 @@ def set_cpu_threads(requested: int = 0, processes: int = 1) -> int:
     n = cpu_threads(requested, processes)
     torch.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def decoding_threads(requested: int = 0):
+    """torch's threads set by `cpu_threads(requested)` (half the cores) while step-by-step decoding runs, then put
+    back. Decoding is many small matmuls: the thread count a training step inside 05 or 07 takes alone (its
+    `threads_alone`, 2 on a 2-core host) decodes slower than one thread (benchmarks/bench_threads.py, the toy
+    target on an idle 2-core EPYC: 1,583 tokens/s with 1 thread, 655 with 2 passive, 190 with 2 spinning)."""
+    import torch
+
+    before, want = torch.get_num_threads(), cpu_threads(requested)
+    if want != before:
+        torch.set_num_threads(want)
+    try:
+        yield want
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def cpu_model_and_flags(cpuinfo: str) -> tuple[str, dict[str, bool]]:

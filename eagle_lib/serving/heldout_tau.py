@@ -20,6 +20,7 @@ import torch
 
 from eagle_lib import store
 from eagle_lib.data import evalsets
+from eagle_lib.engines import machine
 from eagle_lib.serving import specdec, tables
 from eagle_lib.serving.sampling import Sampler, draft_sampler
 from eagle_lib.serving.specdec import Prompt
@@ -84,6 +85,16 @@ class Decoder:
         runner = specdec.TargetRunner(self.target, drafter.config.aux_layers)
         num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
         gens, self.generations = [], []
+        with machine.decoding_threads():  # 07 trains on threads_alone; one thread decodes faster
+            self._decode(runner, drafter, (temperature, top_p, draft, reps, seed), num, den, gens)
+        runner.cache = None  # free the target's KV cache
+        ratio = tables.cost_ratio(gens)
+        self.cost_ratio = float("nan") if ratio is None else ratio
+        return num, den
+
+    def _decode(self, runner, drafter, how: tuple, num, den, gens: list) -> None:
+        """decode()'s loop: adds each prompt's sums into num / den in place."""
+        temperature, top_p, draft, reps, seed = how
         for r in range(reps if temperature > 0 else 1):
             for j, pr in enumerate(self.prompts):
                 key = int(store.stable_hash([seed, r, temperature, pr.dataset, pr.id], 8), 16)
@@ -100,10 +111,6 @@ class Decoder:
                 den[j] += len(g.accepted)
                 gens.append({"method": "eagle3", **vars(g)})
                 self.generations.append(g)
-        runner.cache = None  # free the target's KV cache
-        ratio = tables.cost_ratio(gens)
-        self.cost_ratio = float("nan") if ratio is None else ratio
-        return num, den
 
     def add(self, name: str, drafter, cached: tuple[list, list] | None = None) -> tuple[list, list]:
         """Decode (or take `cached` per-prompt sums) and append as row `name`; returns the sums as lists."""
