@@ -70,10 +70,10 @@ setup:
 
 # The standard tier: every real part exercised (vLLM, SGLang's classes and router, the real model, llama.cpp), without
 # the `full` tier's variants and long checks; prints the 15 slowest tests. Two pytest workers (pytest-xdist):
-# tests/conftest.py keeps what shares a fixture in one worker and starts the longest groups first.
+# tests/conftest.py keeps what shares a fixture in one worker and starts the longest files first.
 test: setup
 	@$(PY) -m eagle_lib.engines.machine
-	$(PY) -m pytest -q -m "not full" -n 2 --dist loadgroup --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -m "not full" -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Everything, the mini-Kimi world and run included (~1 h on a 2-core host; one process: the mini-Kimi run and
 # the curve-noise checks were measured that way).

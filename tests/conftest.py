@@ -1,11 +1,13 @@
-"""The suite under pytest-xdist (`make test` runs two workers, `--dist loadgroup`).
+"""The suite under pytest-xdist (`make test` runs two workers, `--dist loadfile`).
 
-- Every test is put in one xdist group, so what its tests share is built once: a module's own tests stay together
-  (module fixtures: a trained drafter, a vLLM server), and every test of the toy pipeline's session run (`ci_run`,
-  tests/pipeline/conftest.py) is one group whichever file it is in.
-- The long groups go first (the real-model slice, then the toy pipeline, then the server tests), so the two
+- A file's tests run in one worker, so its module fixtures (a trained drafter, a vLLM server) are built once. The
+  toy pipeline's session run (`ci_run`, tests/pipeline/conftest.py) is shared by several files: the first worker to
+  ask runs it under a file lock, the other waits and then finds every stage complete (the runner reuses them).
+  (`--dist loadgroup` would group across files, but xdist 3.8 writes its group into `item._nodeid`, which pytest 9
+  no longer reads.)
+- The long files go first (the real-model slice, then the toy pipeline's files, then the server tests), so the two
   workers start on the two longest and the short ones fill in behind them (`--no-loadscope-reorder` keeps this
-  order; xdist's own reorders by test count).
+  order; xdist's own sorts by test count).
 - Under xdist each server a test starts takes one core unpinned (`OMP_NUM_THREADS=1`,
   `VLLM_CPU_OMP_THREADS_BIND=nobind`, set before any server starts): two workers share two cores, and a server
   pinned to both, or spinning on both, would stall the other worker's process (docs/MACHINES.md).
@@ -18,8 +20,6 @@ here changes anything.
 from __future__ import annotations
 
 import os
-
-import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP, after this conftest
 FIRST = ("tests/pipeline/test_real_run.py", "ci_run", "tests/server/")  # started first, in this order
@@ -37,23 +37,17 @@ def pytest_configure(config):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def groups_of(items) -> dict[int, str]:
-    """Each test's xdist group: `ci_run` for every test in a file where any test uses the toy pipeline's session
-    run (outputs/ci), else its file."""
+def order_keys(items) -> dict[int, int]:
+    """Each test's rank in FIRST: its file, or `ci_run` for every file where a test uses the toy pipeline's run."""
     file = {id(i): i.nodeid.split("::")[0] for i in items}
     shared = {file[id(i)] for i in items if "ci_run" in getattr(i, "fixturenames", ())}
-    return {k: "ci_run" if f in shared else f for k, f in file.items()}
+    group = {k: "ci_run" if f in shared else f for k, f in file.items()}
+    return {
+        k: next((r for r, key in enumerate(FIRST) if g.startswith(key)), len(FIRST)) for k, g in group.items()
+    }
 
 
-def _rank(group: str) -> int:
-    return next((i for i, key in enumerate(FIRST) if group.startswith(key)), len(FIRST))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook appends the group to each node id
 def pytest_collection_modifyitems(config, items):
-    if not _xdist(config):
-        return
-    groups = groups_of(items)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    items.sort(key=lambda item: _rank(groups[id(item)]))  # stable: file order within a rank
+    if _xdist(config):
+        rank = order_keys(items)
+        items.sort(key=lambda item: rank[id(item)])  # stable: file order within a rank
