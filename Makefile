@@ -1,5 +1,5 @@
 # The two commands: `make run` (toy pipeline, end to end) and `make test` (the suite's standard tier; CI runs it).
-# `make test-all` adds the `full` tier (variants and long checks; see docs/TESTING.md).
+# `make test-all` adds the `full` tier (variants and long checks; README.md, "Tests").
 PYTHON ?= python3.11
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 VENV ?= .venv
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env sglang-env router-env bench-env specforge-env llamacpp-env real-parts setup run real test test-all test-unit toy lint lab
+.PHONY: env vllm-env sglang-env router-env bench-env specforge-env llamacpp-env real-parts parts setup run real test test-all test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -61,17 +61,23 @@ run: env toy
 real: env vllm-env real-parts
 	$(PY) -m eagle_lib.pipeline run params/smollm2.yaml $(if $(STAGES),--stages $(STAGES),) $(if $(SEED),--seed $(SEED),) $(foreach s,$(SET),--set $(s))
 
-# What the tests need, installed side by side: the installers are independent (each its own venv or folder;
-# llama.cpp's build takes the cores while pip mostly waits on disk), and the toy world trains once .venv is ready.
-# Each installer's output is printed whole when it ends (--output-sync).
-SETUP := env vllm-env sglang-env router-env real-parts llamacpp-env toy
-setup:
-	@$(MAKE) --no-print-directory -j$(words $(SETUP)) --output-sync=target $(SETUP)
+# What the tests need, installed side by side: the installers are independent (each its own venv or folder), and
+# each one's output is printed whole when it ends (--output-sync).
+PARTS := env vllm-env sglang-env router-env real-parts
+parts:
+	@$(MAKE) --no-print-directory -j$(words $(PARTS)) --output-sync=target $(PARTS)
+
+# Everything `make test-all` needs, built before it starts.
+setup: parts llamacpp-env toy
 
 # The standard tier: every real part exercised (vLLM, SGLang's classes and router, the real model, llama.cpp), without
-# the `full` tier's variants and long checks; prints the 15 slowest tests. Two pytest workers (pytest-xdist):
-# tests/conftest.py keeps what shares a fixture in one worker and starts the longest files first.
-test: setup
+# the `full` tier's variants and long checks; prints the 15 slowest tests. llama.cpp builds at nice 19 behind the
+# tests (two pytest workers keep ~1.4 of the 2 cores busy) and the tests that serve with it wait for it; the toy
+# world trains inside the suite, beside the real model's slice, which does not need it. tests/conftest.py keeps
+# what shares a fixture in one worker and starts the longest files first.
+test:
+	@bash scripts/install_llamacpp.sh --background
+	@$(MAKE) --no-print-directory parts
 	@$(PY) -m eagle_lib.engines.machine
 	$(PY) -m pytest -q -m "not full" -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 

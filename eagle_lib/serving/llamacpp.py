@@ -32,10 +32,12 @@ and the absolute d2t ids inside the target vocab.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from eagle_lib.serving.checks import Check
@@ -58,11 +60,53 @@ def home() -> Path:
     return Path(os.environ.get(HOME_ENV) or REPO_ROOT / ".llamacpp")
 
 
+def build_lock() -> Path:
+    """The lock scripts/install_llamacpp.sh holds while it builds (beside the folder: `.llamacpp.lock`)."""
+    h = home()
+    return h.parent / f"{h.name}.lock"
+
+
+def build_log() -> Path:
+    """Where `install_llamacpp.sh --background` (make test) writes its build's output."""
+    h = home()
+    return h.parent / f"{h.name}.build.log"
+
+
+def building() -> bool:
+    """Whether a build holds the lock now (`make test` builds llama.cpp behind the tests)."""
+    if not build_lock().is_file():
+        return False
+    with open(build_lock()) as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return False
+
+
+def wait_for_build(log=print) -> str | None:
+    """Wait while a build holds the lock, then `missing()` (None: ready). Stage 06's llama.cpp step and the tests
+    call it: under `make test` the build runs behind the first tests."""
+    if build_lock().is_file():
+        with open(build_lock()) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                t0 = time.monotonic()
+                log(f"waiting for llama.cpp's build to finish (log: {build_log()}) ...")
+                fcntl.flock(fh, fcntl.LOCK_SH)
+                log(f"llama.cpp's build finished after {time.monotonic() - t0:.0f} s of waiting")
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    return missing()
+
+
 def missing() -> str | None:
     """Why llama.cpp cannot be used here (None when its server and converter are built)."""
     h = home()
     if not (h / "bin" / "llama-server").is_file():
-        return f"llama.cpp is not built: no {h / 'bin' / 'llama-server'} (run `make llamacpp-env`)"
+        last = f"; the last background build's log: {build_log()}" if build_log().is_file() else ""
+        return f"llama.cpp is not built: no {h / 'bin' / 'llama-server'} (run `make llamacpp-env`{last})"
     if not (h / "src" / "convert_hf_to_gguf.py").is_file():
         return f"llama.cpp's converter is missing: no {h / 'src' / 'convert_hf_to_gguf.py'} (run `make llamacpp-env`)"
     return None

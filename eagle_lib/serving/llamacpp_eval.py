@@ -232,6 +232,9 @@ def run(cfg, headline: dict | None = None, threads: int = 0) -> pd.DataFrame:
     p = cfg.stage.served(cfg.shared)
     if not getattr(p, "llamacpp", False):
         return pd.DataFrame([{"llama.cpp": "not measured (llamacpp: false)"}])
+    why = llamacpp.wait_for_build()  # `make test` builds it behind the first tests
+    if why:
+        raise llamacpp.LlamaCppError(f"06 llamacpp: true, but {why}")
     out = cfg.out("eval")
     meta = json.loads((out / "meta.json").read_text())
     if "speculators" not in meta.get("exports", {}):

@@ -221,3 +221,28 @@ def test_compare_pools_counters_and_timings_per_dataset():
     assert t.loc["b", "greedy_equal"] == 0.0 and t.loc["b", "equal_to_offline"] == 0.0
     assert t.loc["a", "greedy_equal"] == 1.0 and t.loc["all", "greedy_equal"] == 0.5
     assert t.loc["b", "greedy_equal_or_tie"] == 1.0 and t.loc["all", "greedy_equal_or_tie"] == 1.0
+
+
+def test_a_build_in_progress_is_seen_and_waited_for(tmp_path, monkeypatch):
+    """`make test` builds llama.cpp behind the tests (install_llamacpp.sh --background holds `.llamacpp.lock`):
+    `building()` sees the held lock, `wait_for_build()` returns only once it is released, then says what is
+    missing and where the build's log is. The reference holder is util-linux's flock(1), not our code."""
+    import subprocess
+    import time
+
+    monkeypatch.setenv(llamacpp.HOME_ENV, str(tmp_path / "lc"))
+    assert not llamacpp.building() and llamacpp.wait_for_build() == llamacpp.missing()
+    llamacpp.build_log().write_text("cmake: not found\n")
+    holder = subprocess.Popen(["flock", str(llamacpp.build_lock()), "sleep", "1.5"])
+    try:
+        deadline = time.monotonic() + 10
+        while not llamacpp.building() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llamacpp.building()
+        t0, said = time.monotonic(), []
+        why = llamacpp.wait_for_build(log=said.append)
+        assert time.monotonic() - t0 > 0.5 and holder.poll() is not None  # it waited for the holder to end
+    finally:
+        holder.kill()
+    assert not llamacpp.building()
+    assert "not built" in why and str(llamacpp.build_log()) in why and "waiting" in said[0]
