@@ -71,15 +71,16 @@ parts:
 setup: parts llamacpp-env toy
 
 # The standard tier: every real part exercised (vLLM, SGLang's classes and router, the real model, llama.cpp), without
-# the `full` tier's variants and long checks; prints the 15 slowest tests. llama.cpp builds at nice 19 behind the
-# tests (two pytest workers keep ~1.4 of the 2 cores busy) and the tests that serve with it wait for it; the toy
-# world trains inside the suite, beside the real model's slice, which does not need it. tests/conftest.py keeps
-# what shares a fixture in one worker and starts the longest files first.
+# the `full` tier's variants and long checks; prints the 15 slowest tests. three pytest workers (TEST_WORKERS) on the
+# 2 cores (pytest-xdist; a worker often waits on a server or a stage kernel), llama.cpp built at nice 19 behind the
+# tests, which wait for it where they serve with it; the toy world trains inside the suite, beside the real model's
+# slice, which does not need it. tests/conftest.py keeps what shares a fixture in one worker and orders the files.
+TEST_WORKERS ?= 3
 test:
 	@bash scripts/install_llamacpp.sh --background
 	@$(MAKE) --no-print-directory parts
 	@$(PY) -m eagle_lib.engines.machine
-	$(PY) -m pytest -q -m "not full" -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -m "not full" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # Everything, the mini-Kimi world and run included (~1 h on a 2-core host; one process: the mini-Kimi run and
 # the curve-noise checks were measured that way).

@@ -17,9 +17,9 @@ matched ``k``. speculators runs with norm_before_residual / norm_before_fc / nor
 on by default for eagle3, but our drafter, our exports and the offline decoder implement the original EAGLE-3
 layer, and the comparison decodes both with the same code.
 
-Both drafters are then measured by greedy speculative decoding (`eagle_lib.serving.specdec`, as stage 06) on the
+Both drafters are then measured by greedy speculative decoding (`eagle_lib.decoding.specdec`, as stage 06) on the
 same held-out prompts, speculators' and SpecForge's models loaded through our reader of their own save formats
-(`eagle_lib.serving.export.load_export`, which must read back the aux layers each was trained on). At T > 0 every
+(`eagle_lib.drafter.export.load_export`, which must read back the aux layers each was trained on). At T > 0 every
 side is decoded by speculative sampling (`heldout_tau.Decoder`, --top-p, drafts drawn as --draft-sampling says,
 --reps seeds a prompt). Prints tau per side and the ratios ours / speculators and ours / SpecForge.
 
@@ -277,7 +277,7 @@ def _stage_config(run_dir: Path, work: Path, a, preset: str):
 
 def _steps_of(cfg, a) -> list[list[tuple[list[int], list[int]]]]:
     """The (ids, loss_mask) sequences of every micro-batch our run consumes, in order (our `BatchStream`)."""
-    from eagle_lib.drafter import batches
+    from eagle_lib.data import batches
 
     p = cfg.stage
     seqs, _, _ = batches.load_sequences(
@@ -457,9 +457,9 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from eagle_lib import models, train
-    from eagle_lib.drafter import batches, measure
+    from eagle_lib.data import batches
+    from eagle_lib.drafter import export, measure
     from eagle_lib.drafter.model import load_drafter
-    from eagle_lib.serving import export
 
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench_quality_"))

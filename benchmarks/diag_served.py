@@ -14,7 +14,7 @@ yields one token, so they fill the cycles. The teacher-forced first-draft accept
 confidence at the drafted position, over rows whose input was a sampled (non-argmax) token, and re-weighted to the
 residual a token after a rejection is drawn from (`by_position`).
 With ``--decode-reps R`` it also decodes 06's held-out prompts (``--per-dataset``, ``--new-tokens``, R sampling seeds
-a prompt, probabilistic drafts, `eagle_lib.serving.specdec` as 06 decodes) and splits the first draft's acceptance
+a prompt, probabilistic drafts, `eagle_lib.decoding.specdec` as 06 decodes) and splits the first draft's acceptance
 by how the cycle before ended: all drafts accepted (the next token drawn from the target's own distribution) or a
 rejection (the next token drawn from the residual max(0, p - q)), the latter by the draft that was rejected.
 
@@ -105,8 +105,8 @@ def by_position(tr, drafter, held, t: float) -> str:
     acceptance right after a rejection at a single position, were rejections spread over positions as tokens are."""
     import torch
 
-    from eagle_lib.drafter import batches
-    from eagle_lib.serving.sampling import warp
+    from eagle_lib.data import batches
+    from eagle_lib.decoding.sampling import warp
 
     top_p = tr.shared.serve_top_p
     ids_map = drafter.draft_ids()
@@ -162,7 +162,8 @@ def after_what(run: Path, tr, drafter, t: float, a) -> str:
     import torch
 
     from eagle_lib import models
-    from eagle_lib.serving import heldout_tau, specdec
+    from eagle_lib.decoding import specdec
+    from eagle_lib.serving import heldout_tau
 
     torch.set_num_threads(1)
     target = models.load_target(tr.shared, device="cpu")

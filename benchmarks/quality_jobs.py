@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib.serving import specdec
+from eagle_lib.decoding import specdec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,8 @@ def job_ours(spec_path: str) -> None:
     from safetensors.torch import load_file
 
     from eagle_lib import params
-    from eagle_lib.drafter import batches, optim, recipe, retrain, trainer, ttt
+    from eagle_lib.data import batches
+    from eagle_lib.drafter import optim, recipe, retrain, trainer, ttt
     from eagle_lib.drafter.model import save_state
 
     torch.set_num_threads(1)
@@ -188,8 +189,8 @@ def job_refs(path: str) -> None:
 
 # --- evaluation -----------------------------------------------------------------------------------------
 def _drafter(task: dict, embed, aux: list[int]):
+    from eagle_lib.drafter import export
     from eagle_lib.drafter.model import load_drafter
-    from eagle_lib.serving import export
 
     if task["side"] == "ours":
         return load_drafter(task["dir"]).eval()

@@ -93,8 +93,7 @@ def match_store(tr, run_dir: Path) -> str:
 
 def kept_sequences(tr, run_dir: Path):
     """(05's training sequences whose hidden states the run kept, all of them, the store)."""
-    from eagle_lib.drafter import batches
-    from eagle_lib.hidden_states import hidden
+    from eagle_lib.data import batches
 
     match_store(tr, run_dir)
     tr.source.use_root(run_dir, prepare=False)  # the store only: no producer for what is missing
@@ -103,18 +102,18 @@ def kept_sequences(tr, run_dir: Path):
     train, _, _ = batches.load_sequences(
         run_dir, tr.shared.heldout_percent, p.max_seq_len, p.max_train_samples, 1
     )
-    return [s for s in train if hidden.seq_key(s.input_ids) in store], train, store
+    return [s for s in train if batches.seq_key(s.input_ids) in store], train, store
 
 
 def step_sequences(seqs, p, seed: int, steps: int) -> list[list[list]]:
     """Every optimizer step's sequences as [ids, loss_mask, key], in our `BatchStream` order for `seed`."""
-    from eagle_lib.drafter import batches, recipe
+    from eagle_lib.data import batches
 
     stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, seed)
     out = []
     for s in range(steps):
         step = []
-        for m in recipe.micro_batches(s, 0, 1, p.grad_accum):
+        for m in batches.micro_batches(s, 0, 1, p.grad_accum):
             b = stream.micro_batch(m)
             step += [[b.input_ids[r, st : st + n].tolist(), b.loss_mask[r, st : st + n].int().tolist(), key]
                      for r, segs in enumerate(b.segments) for key, st, n in segs]  # fmt: skip

@@ -9,7 +9,7 @@ run's kept hidden states (benchmarks/stored_features.py; steps entries then end 
 instead of running the target, its final norm applied to the last layer; ``save_at``: steps after which the
 draft is exported to ``out/step_<n>``, the result then written to ``out/result.json``) and trains
 SpecForge's own draft model with SpecForge's own TTT forward and loss, one optimizer step per ``steps`` entry,
-then saves it in the SGLang / EAGLE layout that ``eagle_lib.serving.export.load_export`` reads. Imports
+then saves it in the SGLang / EAGLE layout that ``eagle_lib.drafter.export.load_export`` reads. Imports
 nothing from eagle_lib. The last line on stdout is one JSON object: train_s (the step loop, target forward
 included), final_loss, out, losses (the loss of every step) and label_losses (the same per supervised
 position: SpecForge averages over every position of the padded batch, so its loss moves with the share of

@@ -1,10 +1,10 @@
 """Stage 06_eval_acceptance: the drafter's acceptance length as it will be served — greedy and sampled, per dataset,
 per context length, offline and online.
 
-Offline (:mod:`eagle_lib.serving.specdec`): every prompt is decoded by the target with each method (``none`` =
+Offline (:mod:`eagle_lib.decoding.specdec`): every prompt is decoded by the target with each method (``none`` =
 plain decoding, ``ngram`` = prompt lookup, ``eagle3`` = our drafter), k drafts per step verified by one target
 forward, at each temperature in ``temperatures`` (0 = greedy; > 0 = the target's sampling with top_p / top_k,
-verified by the speculative accept/reject rule, :mod:`eagle_lib.serving.sampling`). At T=0 every method's
+verified by the speculative accept/reject rule, :mod:`eagle_lib.decoding.sampling`). At T=0 every method's
 output must equal ``none``'s token for token (``lossless``); at T>0 the output distribution is the target's
 (proved by tests/unit/test_specdec.py). Prompts: the run's held-out A/B records plus ``eval_sets`` (MT-Bench,
 GSM8K, HumanEval, MATH500, SPEED-Bench by hub id or file, :mod:`eagle_lib.data.evalsets`), rendered with the
@@ -42,7 +42,7 @@ from eagle_lib.data.evalsets import Prompt
 from eagle_lib.engines import machine
 
 if TYPE_CHECKING:
-    from eagle_lib.serving.sampling import Sampler
+    from eagle_lib.decoding.sampling import Sampler
 
 Method = Literal["none", "ngram", "eagle3", "oracle"]  # oracle: the target's own argmax drafts, T > 0 only
 # tqdm.auto (imported by transformers while the target loads) warns on stderr in a kernel without ipywidgets:
@@ -183,7 +183,7 @@ def eval_set_prompts(p: Params, tokenizer) -> tuple[dict[str, list[Prompt]], dic
 def later_turn_prompts(multi: list[dict], tokenizer, target, p: Params, eos: list[int]):
     """Prompts of the later turns (`evalsets.followups`), each after the target's greedy answers to the turns
     before it (eval_max_new_tokens long, as 06 decodes); and their tally."""
-    from eagle_lib.serving import specdec
+    from eagle_lib.decoding import specdec
 
     runner = specdec.TargetRunner(target)
 
@@ -197,7 +197,7 @@ def later_turn_prompts(multi: list[dict], tokenizer, target, p: Params, eos: lis
 
 # --- offline decoding ---------------------------------------------------------------------------------
 def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None, target=None):
-    from eagle_lib.serving import specdec
+    from eagle_lib.decoding import specdec
 
     if method == "oracle":  # at T > 0: the ceiling of greedy drafting (engines draft the argmax)
         return specdec.OracleProposer(target)
@@ -205,7 +205,7 @@ def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None
         return specdec.NoProposer()
     if method == "ngram":
         return specdec.NgramProposer(p.ngram_max, p.ngram_min)
-    from eagle_lib.serving.sampling import draft_sampler
+    from eagle_lib.decoding.sampling import draft_sampler
 
     seed, temp = (sampler.seed, sampler.temperature) if sampler is not None else (0, 0.0)
     return specdec.EagleProposer(drafter, draft_sampler(p.draft_sampling, temp, seed))
@@ -213,7 +213,7 @@ def proposer_for(method: str, p: Params, drafter, sampler: Sampler | None = None
 
 def sampler_for(p: Params, temperature: float, seed: int, pr: Prompt, salt: str = "") -> Sampler:
     """The target's sampling for one prompt, seeded by (seed, temperature, dataset, id): reruns repeat it."""
-    from eagle_lib.serving.sampling import Sampler
+    from eagle_lib.decoding.sampling import Sampler
 
     key = int(store.stable_hash([seed, temperature, pr.dataset, pr.id, salt], 8), 16)
     return Sampler(temperature, p.top_p if temperature else 1.0, p.top_k if temperature else 0, key)
@@ -223,7 +223,7 @@ def decode_offline(
     target, drafter, prompts: dict[str, list[Prompt]], p: Params, eos_ids: list[int], out: Path, seed: int = 0
 ):
     """Every method on every prompt at every temperature; appends records to out (JSONL) and returns them."""
-    from eagle_lib.serving import specdec
+    from eagle_lib.decoding import specdec
 
     gens = []
     methods = ["none"] + [m for m in p.methods if m != "none"]
@@ -307,8 +307,8 @@ def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load)
     """Stage 05's exports when complete, else export the drafter (load()) into eval/export/ (every format it
     has: `export.formats_for`)."""
     from eagle_lib import models
+    from eagle_lib.drafter import export
     from eagle_lib.drafter.model import CONFIG_FILE, Eagle3Config
-    from eagle_lib.serving import export
 
     saved = drafter_dir / CONFIG_FILE
     fmts = export.FORMATS

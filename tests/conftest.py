@@ -1,16 +1,17 @@
-"""The suite under pytest-xdist (`make test` runs two workers, `--dist loadfile`).
+"""The suite under pytest-xdist (`make test` runs three workers, `--dist loadfile`).
 
 - A file's tests run in one worker, so its module fixtures (a trained drafter, a vLLM server) are built once. The
   toy pipeline's session run (`ci_run`, tests/pipeline/conftest.py) is shared by several files: the first worker to
   ask runs it under a file lock, the other waits and then finds every stage complete (the runner reuses them).
   (`--dist loadgroup` would group across files, but xdist 3.8 writes its group into `item._nodeid`, which pytest 9
   no longer reads.)
-- The long files go first (the real-model slice, then the toy pipeline's files, then the server tests), so the two
-  workers start on the two longest and the short ones fill in behind them (`--no-loadscope-reorder` keeps this
-  order; xdist's own sorts by test count).
+- The long files go first (RANKS below: the real-model slice, the toy pipeline's first file, the server tests),
+  so the workers start on the longest and the short ones fill in behind them (`--no-loadscope-reorder` keeps
+  this order; xdist's own sorts by test count). `make test` runs three workers on two cores: a worker often waits
+  (a server starting, a stage kernel, llama.cpp's build) and the third keeps both cores busy.
 - Under xdist each server a test starts takes one core unpinned (`OMP_NUM_THREADS=1`,
-  `VLLM_CPU_OMP_THREADS_BIND=nobind`, set before any server starts): two workers share two cores, and a server
-  pinned to both, or spinning on both, would stall the other worker's process (docs/MACHINES.md).
+  `VLLM_CPU_OMP_THREADS_BIND=nobind`, set before any server starts): the workers share two cores, and a server
+  pinned to both, or spinning on both, would stall the other workers' processes (docs/MACHINES.md).
 
 Both ways, OpenMP waits passively in the test processes (`OMP_WAIT_POLICY=PASSIVE` unless set; the toy world's
 2 training threads and 05's `threads_alone` assume it, as the pipeline's kernels do). Without xdist nothing else
@@ -22,7 +23,13 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP, after this conftest
-FIRST = ("tests/pipeline/test_real_run.py", "ci_run", "tests/server/")  # started first, in this order
+# the order the files start in: the real-model slice, the first file on the toy pipeline's run (it builds the toy
+# world and the run), the server tests (llama.cpp's last: it waits for the build `make test` runs behind the tests),
+# the other files on the toy pipeline's run (by then it is done: a worker taking one early would wait on its lock),
+# the rest
+RANKS = ("real", "ci_first", "server", "llamacpp", "ci_rest")
+LLAMACPP = "tests/server/test_llamacpp.py"
+REAL = "tests/pipeline/test_real_run.py"
 
 
 def _xdist(config) -> bool:
@@ -38,13 +45,23 @@ def pytest_configure(config):
 
 
 def order_keys(items) -> dict[int, int]:
-    """Each test's rank in FIRST: its file, or `ci_run` for every file where a test uses the toy pipeline's run."""
+    """Each test's place in RANKS (tests/conftest.py's docstring): by its file, where a file in which any test uses
+    the toy pipeline's run (`ci_run`) is a ci file."""
     file = {id(i): i.nodeid.split("::")[0] for i in items}
-    shared = {file[id(i)] for i in items if "ci_run" in getattr(i, "fixturenames", ())}
-    group = {k: "ci_run" if f in shared else f for k, f in file.items()}
-    return {
-        k: next((r for r, key in enumerate(FIRST) if g.startswith(key)), len(FIRST)) for k, g in group.items()
-    }
+    ci = [file[id(i)] for i in items if "ci_run" in getattr(i, "fixturenames", ())]
+
+    def rank(f: str) -> str:
+        if f == REAL:
+            return "real"
+        if ci and f == ci[0]:
+            return "ci_first"
+        if f == LLAMACPP:
+            return "llamacpp"
+        if f.startswith("tests/server/"):
+            return "server"
+        return "ci_rest" if f in ci else ""
+
+    return {k: RANKS.index(r) if (r := rank(f)) else len(RANKS) for k, f in file.items()}
 
 
 def pytest_collection_modifyitems(config, items):

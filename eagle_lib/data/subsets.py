@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle_lib import store
-from eagle_lib.drafter.batches import Sequence, iter_raw
+from eagle_lib.data.batches import Sequence, iter_raw
 
 
 def dataset_of(run_dir: str | Path) -> dict[str, str]:
@@ -26,7 +26,10 @@ def dataset_of(run_dir: str | Path) -> dict[str, str]:
     return {str(rec.get("id")): path.parent.name for path, rec, _ids, _mask in iter_raw(run_dir)}
 
 
-def _order_key(seed: int, sid: str) -> str:
+def order_key(seed: int, sid: str) -> str:
+    """A sequence's place in its dataset's seeded order: a hash of (seed, id), so sorting by it is a uniform
+    shuffle that does not depend on the order the sequences were read in (07's multi-turn study orders 03's
+    conversations by it too)."""
     return hashlib.blake2b(f"{seed}:{sid}".encode(), digest_size=8).hexdigest()
 
 
@@ -37,7 +40,7 @@ def by_dataset(seqs: list[Sequence], names: dict[str, str], seed: int) -> dict[s
         if s.id not in names:
             raise KeyError(f"training sequence {s.id!r} is in no A/B dataset under the run dir")
         out.setdefault(names[s.id], []).append(s)
-    return {d: sorted(v, key=lambda s: _order_key(seed, s.id)) for d, v in sorted(out.items())}
+    return {d: sorted(v, key=lambda s: order_key(seed, s.id)) for d, v in sorted(out.items())}
 
 
 def tokens(seqs: list[Sequence]) -> int:
@@ -86,13 +89,14 @@ def leave_out(groups: dict[str, list[Sequence]], left_out: set[str], budget: int
 def equalize(a: list[Sequence], b: list[Sequence], seed: int) -> tuple[list[Sequence], list[Sequence]]:
     """Cut the arm with more tokens (a seeded-order prefix) to the other's token count."""
     ta, tb = tokens(a), tokens(b)
-    order = sorted(a if ta > tb else b, key=lambda s: _order_key(seed, s.id))
+    order = sorted(a if ta > tb else b, key=lambda s: order_key(seed, s.id))
     cut = prefix(order, min(ta, tb) / max(ta, tb)) if max(ta, tb) else order
     return (cut, b) if ta > tb else (a, cut)
 
 
-def _source(run_dir: Path, dataset: str):
-    """The 02 source of a B dataset (its adapter settings) from data/B/<dataset>/meta.json."""
+def b_source(run_dir: Path, dataset: str):
+    """(02's `formats.Source` of B `dataset`, its chat_template_kwargs) from data/B/<dataset>/meta.json: how to
+    re-read the dataset's source rows through its adapter (the original answers here, 07's conversations)."""
     from eagle_lib.data import formats
 
     path = run_dir / "data" / "B" / dataset / "meta.json"
@@ -115,7 +119,7 @@ def original_sequences(
     from eagle_lib.data.chat import ChatEncoder, ChatError
 
     run_dir = Path(run_dir)
-    src, kwargs = _source(run_dir, dataset)
+    src, kwargs = b_source(run_dir, dataset)
     stored = {
         str(r["id"]): r
         for r in store.iter_jsonl(run_dir / "data/B" / dataset / "prompts.jsonl")

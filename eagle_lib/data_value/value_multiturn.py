@@ -23,11 +23,11 @@ from pathlib import Path
 
 from eagle_lib import models, store
 from eagle_lib.data import formats, multiturn, subsets
+from eagle_lib.data.batches import Sequence
 from eagle_lib.data_value import value_tables as tables
-from eagle_lib.drafter.batches import Sequence
+from eagle_lib.decoding.specdec import Prompt
 from eagle_lib.engines import turns
 from eagle_lib.serving import heldout_tau
-from eagle_lib.serving.specdec import Prompt
 
 
 def _records(path: Path) -> list[dict]:
@@ -36,7 +36,7 @@ def _records(path: Path) -> list[dict]:
 
 def source_conversations(run_dir: Path, ds: str, encoder, keep, cap: int, max_prompt_tokens: int) -> dict:
     """id -> each_turn conversation record (02's layout) for source rows with ``keep(id)``, at most ``cap``."""
-    src, _ = subsets._source(run_dir, ds)
+    src, _ = subsets.b_source(run_dir, ds)
     out: dict[str, dict] = {}
     for where, row, err in formats.iter_rows(src):
         rid = formats.record_id(src, where, row)
@@ -126,7 +126,7 @@ def arm_data(st, p, ds: str, tok, rg_box: list) -> tuple[list, list, list[dict],
             rg_box.append(Regenerator(st, tok, ds))
         rg, out = rg_box[0], st.out / "multiturn" / ds
         train = [r for r in recs03 if not held(r)]
-        order = sorted(train, key=lambda r: subsets._order_key(st.cfg.shared.seed, str(r["id"])))
+        order = sorted(train, key=lambda r: subsets.order_key(st.cfg.shared.seed, str(r["id"])))
         want = {str(r["id"]) for r in order[: p.multiturn_conversations]}
         m02 = store.read_json(run / "data" / "B" / ds / "meta.json")["params"]
         mx = m02["max_seq_len"] - m02["max_new_tokens"]  # 02's room rule: each prompt + the generation budget

@@ -299,7 +299,7 @@ def layout(run) -> tuple[dict[str, dict], list[str]]:
     """Per GPU stage: the GPUs it uses and where ({gpus, nodes, text}); and, with ``cluster`` stated, why a
     stage does not fit it. A node holds trainer ranks (``nproc_per_node`` a node) and producers of
     ``tensor_parallel_size`` GPUs, never across nodes."""
-    from eagle_lib.drafter import distributed
+    from eagle_lib import distributed
 
     c, p03, p05 = run.cluster, run.stage("03_infer"), run.stage("05_train_eagle3")
     p06 = run.stage("06_eval_acceptance")

@@ -18,8 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle_lib import store
-from eagle_lib.drafter import distributed
+from eagle_lib import distributed, store
 from eagle_lib.drafter.model import WEIGHTS_FILE, load_drafter, save_state
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -160,9 +159,9 @@ def load_best(out: Path, fp: str, drafter) -> int | None:
 
 
 def export_final(cfg, out: Path) -> dict[str, str]:
-    """drafter/export/{sglang,speculators} from final/ (`eagle_lib.serving.export`); format -> path."""
+    """drafter/export/{sglang,speculators} from final/ (`eagle_lib.drafter.export`); format -> path."""
     from eagle_lib import models
-    from eagle_lib.serving import export
+    from eagle_lib.drafter import export
 
     p, verifier = cfg.stage, models.resolve(cfg.shared.target)
     arch = models.load_config(cfg.shared.target, **models.hub_kwargs(cfg.shared)).architectures

@@ -1,7 +1,7 @@
 """Measured acceptance during training: greedy speculative decoding of a few held-out prompts.
 
 Every ``measure_every`` optimizer steps stage 05 decodes the same few held-out prompts with the current drafter
-weights, exactly as stage 06 does (`eagle_lib.serving.specdec`: the target verifies every draft, the output is
+weights, exactly as stage 06 does (`eagle_lib.decoding.specdec`: the target verifies every draft, the output is
 the target's own greedy output), and logs the acceptance length ``tau`` beside the loss. Unlike the
 teacher-forced TTT accuracies, this is what the drafter achieves when it feeds its own drafts and hidden states
 back, so it predicts 06 and can choose the final checkpoint (``final_checkpoint: best_measured``).
@@ -18,10 +18,9 @@ import time
 
 import torch
 
-from eagle_lib import models
-from eagle_lib.drafter import distributed
+from eagle_lib import distributed, models
+from eagle_lib.decoding import specdec
 from eagle_lib.engines import machine
-from eagle_lib.serving import specdec
 
 
 def prompts_of(seqs, n: int, max_prompt_tokens: int) -> list[list[int]]:

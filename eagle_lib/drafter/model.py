@@ -126,7 +126,7 @@ class Eagle3Config:
             vocab_size=cfg.vocab_size,
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=hidden,
-            aux_layers=list(aux_layers) if aux_layers is not None else default_aux_layers(n_layers),
+            aux_layers=list(aux_layers) if aux_layers is not None else models.default_aux_layers(n_layers),
             rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             rope_theta=float(theta or getattr(cfg, "rope_theta", None) or 10000.0),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
@@ -147,16 +147,6 @@ class Eagle3Config:
 
 ATTENTIONS = ("gqa", "mla")
 MLA_SHAPES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high decoder layers, 0-based (HF output_hidden_states index = layer id + 1)."""
-    if num_layers < 7:  # below 7 the default layers collide ([1, 2, 2] at 6); engines then capture too few
-        raise ValueError(
-            f"a target with {num_layers} layers is too shallow for the default EAGLE-3 aux layers "
-            "[1, L//2-1, L-4] (they would not be distinct); pass aux_layers explicitly"
-        )
-    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 class Attention(nn.Module):

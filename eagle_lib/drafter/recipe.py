@@ -1,6 +1,7 @@
 """Stage 05's recipe, the one home of what 05 and 07 both train with: the params model (`Params`), the settings
-fingerprint, the optimizer-step count, the learning-rate schedule, the drafter's config and initialisation, and
-05's recipe as one process (`single_process`: how 07 trains "05's recipe on a subset" on any world size).
+fingerprint, the learning-rate schedule, the drafter's config and initialisation, and 05's recipe as one process
+(`single_process`: how 07 trains "05's recipe on a subset" on any world size). The optimizer-step count and the
+micro-batches of a step are the data order's (`eagle_lib.data.batches.total_steps`, `micro_batches`).
 
 Importing this module does not import torch (validating params must stay light): the functions that need it
 import it themselves.
@@ -220,19 +221,6 @@ def fingerprint(stage: Params, shared: params.SharedParams) -> str:
     """The hash of every setting that changes the trained weights (checkpoint directories are keyed by it)."""
     p = {k: v for k, v in stage.model_dump().items() if k not in NOT_IN_FINGERPRINT}
     return store.stable_hash({"stage": p, "shared": shared.model_dump(exclude={"num_workers", "device"})})
-
-
-def total_steps(p: Params, per_epoch: int, world: int) -> int:
-    """Optimizer steps of a run: max_steps, else epochs x micro-batches per epoch / micro-batches per step
-    (grad_accum on each of `world` processes)."""
-    return p.max_steps or max(1, p.epochs * per_epoch // (world * p.grad_accum))
-
-
-def micro_batches(step: int, rank: int, world: int, grad_accum: int) -> range:
-    """The indices (into `batches.BatchStream`) of the micro-batches rank `rank` trains at `step`: a step takes
-    world x grad_accum consecutive ones, so one process with grad_accum x world takes the same, in order."""
-    first = step * world * grad_accum + rank * grad_accum
-    return range(first, first + grad_accum)
 
 
 def single_process(p: Params, world: int) -> Params:

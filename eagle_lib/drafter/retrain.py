@@ -2,7 +2,7 @@
 
 The recipe is 05's own params model (`recipe.Params`), read from ``run_dir/drafter/meta.json`` with the world
 size 05 ran on, and trained by 05's loop (`trainer.fit`): the same hidden source, draft-vocab size, TTT preset,
-optimizer, schedule (`recipe.schedules`), step count (`recipe.total_steps`), clipping, packing, data order and
+optimizer, schedule (`recipe.schedules`), step count (`batches.total_steps`), clipping, packing, data order and
 initialisation (`recipe.new_drafter`). One process stands in for 05's ranks (`recipe.single_process`: grad_accum
 x world micro-batches per step, in 05's order), so an arm is "05's recipe on a subset" at any world size, and 05's
 full training set for 05's steps reproduces 05's weights (tests check it, on 1 and 2 ranks), which is why 07 may
@@ -19,7 +19,8 @@ from pathlib import Path
 import pydantic
 
 from eagle_lib import models, params, store
-from eagle_lib.drafter import batches, checkpoints, optim, recipe, trainer, ttt, vocab
+from eagle_lib.data import batches
+from eagle_lib.drafter import checkpoints, optim, recipe, trainer, ttt, vocab
 from eagle_lib.engines import machine
 
 
@@ -107,7 +108,7 @@ class Trainer:
         per_epoch = batches.BatchStream(
             seqs, self.p.pack_len, self.p.rows_per_batch, self.shared.seed
         ).per_epoch
-        return recipe.total_steps(self.p05, per_epoch, self.world)
+        return batches.total_steps(self.p05, per_epoch, self.world)
 
     def new_drafter(self, seqs: list[batches.Sequence], seed: int | None = None):
         """05's initialisation (seeded by `seed`, default 05's), with the draft vocab counted on `seqs`."""
@@ -141,7 +142,7 @@ class Trainer:
             self.source.expect(
                 stream.micro_batch(m)
                 for s in range(steps)
-                for m in recipe.micro_batches(s, 0, 1, p.grad_accum)
+                for m in batches.micro_batches(s, 0, 1, p.grad_accum)
             )
         model = ttt.TTT(
             drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,

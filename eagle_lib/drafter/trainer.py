@@ -12,8 +12,9 @@ import warnings
 
 import torch
 
-from eagle_lib import models, params, progress, store
-from eagle_lib.drafter import batches, checkpoints, distributed, measure, optim, recipe, seqpar, ttt, vocab
+from eagle_lib import distributed, models, params, progress, store
+from eagle_lib.data import batches
+from eagle_lib.drafter import checkpoints, measure, optim, recipe, seqpar, ttt, vocab
 from eagle_lib.drafter.model import Eagle3Config, save_state
 from eagle_lib.engines import machine
 
@@ -56,7 +57,10 @@ def _source(cfg, device, hf_config, fp: str):
     if p.hidden_source == "vllm":
         from eagle_lib.hidden_states import engine_hidden
 
-        return engine_hidden.make_source(cfg, device, hf_config, fp)
+        # the plan starts where `checkpoints.resume` will: the newest complete checkpoint of these settings
+        done = checkpoints.complete(cfg.out("drafter"), fp) if p.resume else []
+        start_step = int(done[-1].name.removeprefix("step_")) if done else 0
+        return engine_hidden.make_source(cfg, device, hf_config, start_step)
     raise params.ParamsError(f"{cfg.name}: hidden_source {p.hidden_source!r}: choose online, offline or vllm")
 
 
@@ -93,7 +97,7 @@ def alone_threads(p, source) -> None:
 def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, fp, config, out,
         meter=None, log_every: int | None = None) -> list[dict]:  # fmt: skip
     """The training loop of 05 and 07: optimizer steps `start`..`total` of recipe `p` (resumed from the newest
-    complete checkpoint of fingerprint `fp` under `out` when p.resume), each over `recipe.micro_batches` of
+    complete checkpoint of fingerprint `fp` under `out` when p.resume), each over `batches.micro_batches` of
     `stream`; NaN guard; train_log.jsonl and checkpoints under `out`; `meter(row, history)` after each step
     (05's measured acceptance). Returns the per-step history (resumed rows included)."""
     rank, world = distributed.data_world(p.sequence_parallel)  # one sequence-parallel group: one data rank
@@ -120,7 +124,7 @@ def fit(name, p, model, opts, scheds, source, stream, device, k, decay, total, f
         alone_threads(p, source)
         t0 = time.perf_counter()
         stats, tokens = torch.zeros(k, ttt.N_STATS, device=device), 0
-        for a, m in enumerate(recipe.micro_batches(step, rank, world, p.grad_accum)):
+        for a, m in enumerate(batches.micro_batches(step, rank, world, p.grad_accum)):
             batch = stream.micro_batch(m)
             stats += _micro_step(model, source, batch, device, autocast, p.grad_accum, a == p.grad_accum - 1)
             tokens += batch.n_tokens
@@ -221,7 +225,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
     try:  # the source (vllm: the buffer's trainer lock, its producers) is closed however this ends
         stream = batches.BatchStream(train_seqs, p.pack_len, p.rows_per_batch, cfg.shared.seed)
         world = distributed.data_world(p.sequence_parallel)[1]
-        total = recipe.total_steps(p, stream.per_epoch, world)
+        total = batches.total_steps(p, stream.per_epoch, world)
         attn = p.attention if p.attention != "auto" else ("sdpa" if device.type == "cuda" else "eager")
         if p.loss_chunk and hasattr(source, "lazy_logits"):
             source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)

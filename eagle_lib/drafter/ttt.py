@@ -349,11 +349,11 @@ def log_row(step, lr, stats, gnorm, tokens, seconds, decay) -> dict:
 
 def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, autocast: bool) -> dict:
     """TTT metrics (teacher-forced acc_i etc.) of ``model`` (a TTT module) over held-out sequences."""
-    from eagle_lib.drafter import batches
+    from eagle_lib.data import batches
 
     if not seqs:
         return {}
-    from eagle_lib.drafter import distributed
+    from eagle_lib import distributed
 
     rows = batches.pack([len(s.input_ids) for s in seqs], pack_len)
     total = None

@@ -99,12 +99,6 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
     return float(counts[t2d.numpy()].sum() / total) if total else 0.0
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the tokenizer's token->id table and special tokens (what the map's ids mean)."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return stable_hash({"vocab": vocab, "special": sorted(map(str, tokenizer.all_special_tokens))})
-
-
 def cache_key(tokenizer_fp: str, data_fp: str, n: int) -> str:
     return stable_hash({"tokenizer": tokenizer_fp, "data": data_fp, "n": n})
 
@@ -137,11 +131,11 @@ def load_or_build(
 
 def for_stage(cfg, train_seqs, vocab_size: int):
     """Stage 05's draft vocab map (cached under drafter/vocab/, built on the main rank first) and its stats."""
-    from eagle_lib import models
-    from eagle_lib.drafter import batches, distributed
+    from eagle_lib import distributed, models
+    from eagle_lib.data import batches
 
     p = cfg.stage
-    tok_fp = tokenizer_fingerprint(models.load_tokenizer(cfg.shared))
+    tok_fp = models.tokenizer_fingerprint(models.load_tokenizer(cfg.shared))
     data_fp = batches.data_fingerprint(
         cfg.run_dir,
         heldout=cfg.shared.heldout_percent,

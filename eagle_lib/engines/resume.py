@@ -26,8 +26,6 @@ def target_identity(engine, shared, probe: dict | None = None, tokenizer=None) -
     """Who generates: the engine and the model as configured (+ revision and fingerprints), the same whichever
     servers are up (`probe`, check()'s report, is not part of it). Servers need the target `tokenizer`."""
     if engine.name != "embedded":
-        from eagle_lib.drafter.vocab import tokenizer_fingerprint
-
         if tokenizer is None:
             raise ValueError("target_identity: a server engine's identity needs the target tokenizer")
         try:
@@ -41,7 +39,7 @@ def target_identity(engine, shared, probe: dict | None = None, tokenizer=None) -
             "model": shared.target,  # as configured; the servers' own paths may differ from node to node
             "revision": getattr(shared, "revision", "") or config.to_dict().get("_commit_hash", "") or "",
             "config_sha256": models.config_fingerprint(config),
-            "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+            "tokenizer_sha256": models.tokenizer_fingerprint(tokenizer),
         }
     model = engine.model
     revision = getattr(shared, "revision", "") or model.config.to_dict().get("_commit_hash", "") or ""

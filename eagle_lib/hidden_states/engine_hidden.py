@@ -1,7 +1,7 @@
 """`VllmHidden`: stage 05's hidden states from the serving engine (vLLM prefill), streamed through a bounded buffer.
 
 The trainer's calls to its hidden source are a pure function of the settings: micro-batch ``m`` of
-`eagle_lib.drafter.batches.BatchStream` for each step of this rank, then the held-out batches of the final
+`eagle_lib.data.batches.BatchStream` for each step of this rank, then the held-out batches of the final
 evaluation. `plan` lists them as units (unit u = the u-th call); producers
 (`eagle_lib.hidden_states.vllm_producer`, vLLM's venv) fill the buffer ahead of the trainer, at most
 ``max_buffer_gb`` (`eagle_lib.hidden_states.hidden_buffer`), and the trainer deletes each unit after use unless
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib import models, store
-from eagle_lib.drafter import batches, checkpoints, distributed, recipe
+from eagle_lib import distributed, models, store
+from eagle_lib.data import batches
 from eagle_lib.hidden_states import hidden, hidden_store
 from eagle_lib.hidden_states import hidden_buffer as hb
 
@@ -55,11 +55,11 @@ def plan(cfg, start_step: int) -> tuple[list[list[str]], dict[str, list[int]], i
     )
     stream = batches.BatchStream(train, p.pack_len, p.rows_per_batch, cfg.shared.seed)
     rank, world = distributed.data_world(p.sequence_parallel)  # a sequence-parallel group reads the same
-    total = recipe.total_steps(p, stream.per_epoch, world)  # the trainer's own step count and batch order
+    total = batches.total_steps(p, stream.per_epoch, world)  # the trainer's own step count and batch order
     mbs = [
         stream.micro_batch(m)
         for s in range(total)
-        for m in recipe.micro_batches(s, rank, world, p.grad_accum)
+        for m in batches.micro_batches(s, rank, world, p.grad_accum)
     ]
     rows = batches.pack([len(s.input_ids) for s in held], p.pack_len)
     mbs += [
@@ -407,17 +407,14 @@ class VllmHidden:
         self._finalizer()
 
 
-def make_source(cfg, device, hf_config, fingerprint: str):
-    """Stage 05's `vllm` source: (VllmHidden, embedding (V, H), lm_head, None) from the stage config."""
-    from eagle_lib.drafter.model import Eagle3Config
-
+def make_source(cfg, device, hf_config, start_step: int):
+    """Stage 05's `vllm` source: (VllmHidden, embedding (V, H), lm_head, None) from the stage config, for a run
+    that resumes at optimizer step `start_step` (0: from the start; the trainer's newest complete checkpoint)."""
     p = cfg.stage
     text = models.text_config(hf_config)
-    aux = list(p.aux_layers or Eagle3Config.from_target_config(hf_config, 1).aux_layers)
+    aux = list(p.aux_layers or models.default_aux_layers(text.num_hidden_layers))
     ids = layer_ids(aux, text.num_hidden_layers)
     out = cfg.out("drafter")
-    done = checkpoints.complete(out, fingerprint) if p.resume else []
-    start_step = int(done[-1].name.removeprefix("step_")) if done else 0
     units, tokens, start = plan(cfg, start_step)
     max_len = max(len(v) for v in tokens.values()) + 8
     producer_cfg = producer_config(p.model_dump(), cfg.shared, text, ids, max_len, device.type == "cpu",

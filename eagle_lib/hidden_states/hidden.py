@@ -1,6 +1,6 @@
 """Target hidden states for training, from three sources behind one interface (docs/CONTRACTS.md).
 
-A source is called on a `eagle_lib.drafter.batches.Batch` and returns ``(aux, logits)``: ``aux`` (B, T, 3H_t) the
+A source is called on a `eagle_lib.data.batches.Batch` and returns ``(aux, logits)``: ``aux`` (B, T, 3H_t) the
 concatenated outputs of the target's aux decoder layers at every position, ``logits`` (B, T, V) the target's
 next-token logits there.
 
@@ -16,15 +16,14 @@ next-token logits there.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from eagle_lib import models
+from eagle_lib.data.batches import seq_key
 
 
 def width_error(got: int, target_hidden: int, where: str) -> str:
@@ -38,12 +37,6 @@ def width_error(got: int, target_hidden: int, where: str) -> str:
     elif got % 3 == 0:
         msg += f" It looks like 3 layers of a {got // 3}-wide model: is this dump from another target?"
     return msg
-
-
-def seq_key(ids) -> str:
-    """Content key of a token sequence (matches dumps to training sequences)."""
-    arr = np.asarray(ids, dtype=np.int64)
-    return hashlib.sha1(arr.tobytes()).hexdigest()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

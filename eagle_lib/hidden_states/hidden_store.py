@@ -1,7 +1,7 @@
 """Kept hidden states, per sequence: reused by any later training on the same target, layers and dtypes.
 
 With ``keep_hidden_states`` the vllm source moves each consumed unit file into a store instead of deleting it,
-and indexes every sequence in it by its token ids (`eagle_lib.drafter.batches.seq_key`)::
+and indexes every sequence in it by its token ids (`eagle_lib.data.batches.seq_key`)::
 
     <hidden_dump_dir or drafter/hidden_buffer>/kept/<identity key>/
         identity.json   target (resolved path or hub id, config hash, embedding/lm_head fingerprint),

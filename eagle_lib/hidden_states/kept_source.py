@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle_lib import models
+from eagle_lib.data import batches
 from eagle_lib.hidden_states import engine_hidden, hidden
 from eagle_lib.hidden_states import hidden_buffer as hb
 from eagle_lib.hidden_states.hidden_store import HiddenStore, assemble, identity
@@ -40,10 +41,8 @@ class KeptSource:
     (one producer session per `prepare`d training set), then kept for the next arms."""
 
     def __init__(self, recipe: dict, shared, hf_config, device):
-        from eagle_lib.drafter.model import Eagle3Config
-
         text = models.text_config(hf_config)
-        aux = list(recipe["aux_layers"] or Eagle3Config.from_target_config(hf_config, 1).aux_layers)
+        aux = list(recipe["aux_layers"] or models.default_aux_layers(text.num_hidden_layers))
         self.ids = engine_hidden.layer_ids(aux, text.num_hidden_layers)
         self.aux_cols = [self.ids.index(i + 1) for i in aux]
         self.last_col, self.h, self.device = self.ids.index(text.num_hidden_layers), text.hidden_size, device
@@ -82,8 +81,6 @@ class KeptSource:
         root = Path(self.recipe["hidden_dump_dir"]) if self.recipe["hidden_dump_dir"] else None
         self.kept = HiddenStore(root or Path(run_dir) / "drafter" / "hidden_buffer", self.ident)
         if prepare:
-            from eagle_lib.drafter import batches
-
             r = self.recipe
             train = batches.load_sequences(
                 run_dir, self.shared.heldout_percent, r["max_seq_len"], r["max_train_samples"], 1
@@ -93,7 +90,7 @@ class KeptSource:
     def missing_bytes(self, seqs) -> int:
         """Bytes the store would grow by to keep every sequence of `seqs` it does not hold."""
         kept = self._store()
-        missing = {k: len(s.input_ids) for s in seqs if (k := hidden.seq_key(s.input_ids)) not in kept}
+        missing = {k: len(s.input_ids) for s in seqs if (k := batches.seq_key(s.input_ids)) not in kept}
         n_tok = sum(missing.values())
         return (
             0
@@ -116,7 +113,7 @@ class KeptSource:
             )
         if self.mode == "stream":
             return
-        missing = {k: list(s.input_ids) for s in seqs if (k := hidden.seq_key(s.input_ids)) not in kept}
+        missing = {k: list(s.input_ids) for s in seqs if (k := batches.seq_key(s.input_ids)) not in kept}
         if missing:
             self.produce(missing)
 

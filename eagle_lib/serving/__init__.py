@@ -1,1 +1,2 @@
-"""Serving wing: export (SGLang + vLLM formats), preflight, offline speculative decoding, online measurement."""
+"""Serving wing: preflight, serving commands, online measurement, stage 06's tables and figures (the exports are
+eagle_lib.drafter.export, offline speculative decoding eagle_lib.decoding)."""

@@ -4,7 +4,7 @@ Prompts are chosen as stage 06 chooses them: every A record and B prompt whose i
 (`store.is_heldout(id, heldout_percent)`); an A record's prompt is the tokens before its last assistant turn
 (06's default ``a_prompt: last_turn``), a B prompt its ``prompt_ids``; longer than ``max_prompt_tokens`` is
 skipped, at most ``per_dataset`` per dataset (in file order). Each drafter decodes every prompt greedily with
-`eagle_lib.serving.specdec.speculative_generate` (k drafts per target verify step, lossless by construction)
+`eagle_lib.decoding.specdec.speculative_generate` (k drafts per target verify step, lossless by construction)
 and the per-prompt sums are kept: ``num`` = sum over steps of (accepted + 1), ``den`` = the number of steps,
 so tau of any set of prompts is sum(num) / sum(den), exactly 06's pooled tau.
 """
@@ -20,10 +20,11 @@ import torch
 
 from eagle_lib import store
 from eagle_lib.data import evalsets
+from eagle_lib.decoding import specdec
+from eagle_lib.decoding.sampling import Sampler, draft_sampler
+from eagle_lib.decoding.specdec import Prompt
 from eagle_lib.engines import machine
-from eagle_lib.serving import specdec, tables
-from eagle_lib.serving.sampling import Sampler, draft_sampler
-from eagle_lib.serving.specdec import Prompt
+from eagle_lib.serving import tables
 
 
 def heldout_prompts(run_dir: str | Path, percent: float, per_dataset: int, max_prompt_tokens: int):
@@ -139,7 +140,8 @@ class TeacherForced(Decoder):
 
     @torch.no_grad()
     def decode(self, drafter) -> tuple[np.ndarray, np.ndarray]:
-        from eagle_lib.drafter import batches, ttt
+        from eagle_lib.data import batches
+        from eagle_lib.drafter import ttt
 
         tr = self.trainer
         model = ttt.TTT(drafter, max(self.k, 1), tr.decay, tr.attention, loss_chunk=tr.loss_chunk).eval()

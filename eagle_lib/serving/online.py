@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from eagle_lib.decoding.specdec import Prompt
 from eagle_lib.engines import client
-from eagle_lib.serving.specdec import Prompt
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from eagle_lib.drafter import vocab
-from eagle_lib.drafter.model import MLA_SHAPES, Eagle3Config, default_aux_layers
-from eagle_lib.serving import commands, export
+from eagle_lib import models
+from eagle_lib.drafter import export, vocab
+from eagle_lib.drafter.model import MLA_SHAPES, Eagle3Config
+from eagle_lib.serving import commands
 from eagle_lib.serving.checks import Check, same_path
 
 MLA_WEIGHTS = [
@@ -75,8 +76,6 @@ class Preflight:
 def target_text_config(target: str, trust_remote_code: bool = False, revision: str | None = None) -> dict:
     """The target's text-model config as a dict (hidden_size, num_hidden_layers, vocab_size, ...), from the hub
     commit `revision` (the params' pinned ``shared.revision``: `models.hub_kwargs`) when given."""
-    from eagle_lib import models
-
     path = Path(models.resolve(target))
     if path.is_file():  # a config.json given directly
         cfg = json.loads(path.read_text())
@@ -86,8 +85,6 @@ def target_text_config(target: str, trust_remote_code: bool = False, revision: s
 
 def text_config_dict(cfg) -> dict:
     """An HF config's text-model part as a dict, keeping the top-level architectures (multimodal wrappers)."""
-    from eagle_lib import models
-
     text = models.text_config(cfg)
     out = text.to_dict()
     out["architectures"] = out.get("architectures") or getattr(cfg, "architectures", None)
@@ -185,7 +182,7 @@ def check_aux_layers(fmt: str, cfg: dict, n_layers: int, trained: list[int] | No
     """Aux layer ids: three, inside the target, each engine's key in its own convention, and (when known) the
     layers the drafter was trained on."""
     out: list[Check] = []
-    ours = export.aux_layers_of(fmt, cfg) or default_aux_layers(n_layers)
+    ours = export.aux_layers_of(fmt, cfg) or models.default_aux_layers(n_layers)
     if trained is not None:
         bad = (
             f"the config makes the engine read layers {ours}, the drafter was trained on {list(trained)} "
@@ -362,12 +359,10 @@ def preflight(
     tcfg = target_config or target_text_config(target, trust_remote_code, launch.get("revision") or None)
     rep.checks += check_config(fmt, cfg, tcfg, trained_aux, trained_norms)
     try:
-        dcfg = export.drafter_config(fmt, cfg, default_aux_layers(tcfg["num_hidden_layers"]))
+        dcfg = export.drafter_config(fmt, cfg, models.default_aux_layers(tcfg["num_hidden_layers"]))
         rep.checks += check_weights(export.read_tensors(d, fmt), dcfg, tcfg)
     except (export.ExportError, KeyError, ValueError, OSError) as e:
         rep.checks.append(Check("weights", False, f"{type(e).__name__}: {e}"))
-    from eagle_lib import models
-
     served = models.resolve(target)  # toy:// worlds: the local directory the server loads
     rep.commands = commands.launch_commands(served, d, fmt, trust_remote_code=trust_remote_code, **launch)
     if fmt == "sglang":
@@ -411,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     launch, tcfg = {"tp": a.tp, "revision": a.revision}, None
     if a.params:
-        from eagle_lib import models, params
+        from eagle_lib import params
 
         run = params.load_params(a.params)
         a.target, a.trust_remote_code = (

@@ -3,7 +3,7 @@ acceptance, accepted-length histograms, tau by context length, speedups and the 
 
 A generation record is one prompt decoded by one method at one temperature: ``{method, temperature, dataset,
 id, accepted, matched, drafted, ctx, output_ids, total_s, draft_s, draft_calls, target_s, target_calls,
-lossless}`` (see :class:`eagle_lib.serving.specdec.Generation`; ``lossless`` is None for sampled runs, whose
+lossless}`` (see :class:`eagle_lib.decoding.specdec.Generation`; ``lossless`` is None for sampled runs, whose
 correctness is a property of the distribution, tested in tests/unit/test_specdec.py).
 """
 
@@ -13,7 +13,7 @@ import math
 
 import pandas as pd
 
-from eagle_lib.serving.specdec import CYCLE_STARTS, acceptance_stats, first_draft_by_cycle_start
+from eagle_lib.decoding.specdec import CYCLE_STARTS, acceptance_stats, first_draft_by_cycle_start
 
 KEYS = ["method", "temperature", "dataset"]
 

@@ -1,2 +1,3 @@
-"""Targets that arrive as files: a file inside an installed package (``pypi://``) and a GGUF model turned into a
-plain HF directory once (``gguf_target``). ``eagle_lib.models.resolve`` sends target strings here."""
+"""Where targets come from: the URI schemes (``uris.resolve``: the toy worlds, ``pypi://``, GGUF), a file inside an
+installed package (``packaged``) and a GGUF model turned into a plain HF directory once (``gguf_target``).
+``eagle_lib.models`` loads what ``uris.resolve`` returns."""

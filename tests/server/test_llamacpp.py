@@ -23,9 +23,11 @@ import torch
 
 from eagle_lib import models
 from eagle_lib.data import evalsets
+from eagle_lib.decoding import specdec
+from eagle_lib.drafter import export
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
 from eagle_lib.drafter.vocab import build_vocab_map
-from eagle_lib.serving import export, llamacpp, specdec
+from eagle_lib.serving import llamacpp
 from eagle_lib.serving import llamacpp_server as ls
 from tests.support import eagle_tiny
 

@@ -3,7 +3,7 @@
 SGLang's ``LlamaForCausalLMEagle3.load_weights`` drops any weight name it does not know without a word, so a
 renamed tensor in our export would leave that parameter at its (uninitialised) value and serve garbage
 drafts, with no error anywhere. Here a tiny drafter built with the project's code is exported
-(``eagle_lib.serving.export.export_sglang``) and loaded by PyPI sglang 0.5.23 itself, in its own venv
+(``eagle_lib.drafter.export.export_sglang``) and loaded by PyPI sglang 0.5.23 itself, in its own venv
 (``.venv-sglang``, made by scripts/install_sglang_cpu.sh), through its ModelConfig / get_model / load_weights
 on CPU (tests/support/sglang_load.py, run by that venv's interpreter; no server: SGLang cannot serve on
 these CPUs). The loaded model's parameters and buffers come back and are compared both ways:
@@ -35,8 +35,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle_lib.drafter import export
 from eagle_lib.drafter.model import Eagle3Config
-from eagle_lib.serving import export
 from tests.support import models as tiny
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_lib import models, params, store, train
-from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.data.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.engines.vllm_server import vllm_python
 from eagle_lib.hidden_states import engine_hidden, hidden
 from eagle_lib.hidden_states import hidden_buffer as hb
@@ -133,7 +133,7 @@ TAU_PROMPTS, TAU_NEW, TAU_K = 16, 24, 3
 
 
 def tau_06(run: Path, target: Path) -> float:
-    """06-style tau of run's final drafter: offline speculative decoding (`serving.specdec`, k drafts per verify
+    """06-style tau of run's final drafter: offline speculative decoding (`decoding.specdec`, k drafts per verify
     step) of fresh random prompts, whose continuations are in the tiny world's distribution."""
     from transformers import AutoModelForCausalLM
 
@@ -243,7 +243,7 @@ def test_vllm_drafter_matches_online_and_kill_resume_is_exactly_once(tmp_path, m
 
 
 def _train_seqs(cfg):
-    from eagle_lib.drafter import batches
+    from eagle_lib.data import batches
 
     p = cfg.stage
     return batches.load_sequences(
@@ -252,7 +252,7 @@ def _train_seqs(cfg):
 
 
 def _train_rows(cfg):
-    from eagle_lib.drafter import batches
+    from eagle_lib.data import batches
 
     return batches.pack([len(s.input_ids) for s in _train_seqs(cfg)], cfg.stage.pack_len)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from eagle_lib import models, params
-from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.data.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.engines.vllm_server import start_vllm, vllm_python
 from eagle_lib.hidden_states import engine_hidden, hidden
 from eagle_lib.toy import datasets
@@ -156,8 +156,10 @@ def test_vllm_serves_the_mla_drafter_beside_the_mla_target_with_the_offline_tau(
     """``draft_attention: mla``: the drafter with the mini-Kimi target's latent-attention shapes, exported as
     Eagle3DeepseekV2ForCausalLM (with a draft vocab and d2t), served by vLLM CPU beside the target: its greedy
     output is the target's and its tau (from /metrics) equals our offline decoder's."""
+    from eagle_lib.decoding import specdec
+    from eagle_lib.drafter import export
     from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-    from eagle_lib.serving import commands, export, online, preflight, specdec
+    from eagle_lib.serving import commands, online, preflight
 
     path, model, tok = kimi
     torch.set_num_threads(2)

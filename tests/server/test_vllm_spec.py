@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from eagle_lib import models
+from eagle_lib.decoding import specdec
+from eagle_lib.decoding.sampling import Sampler, draft_sampler
+from eagle_lib.drafter import export
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.serving import export, live, online, specdec
-from eagle_lib.serving.sampling import Sampler, draft_sampler
+from eagle_lib.serving import live, online
 from tests.support.tiny import build_world
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle_lib.serving import specdec
+from eagle_lib.decoding import specdec
 from tests.support import models as tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

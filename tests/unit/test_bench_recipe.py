@@ -37,7 +37,7 @@ def test_the_speculators_worker_names_the_trained_layers_as_its_readers_read_the
     layers back. The old worker wrote the trained ids themselves: the reader then got [0, 2, 5]."""
     import bench_quality
 
-    from eagle_lib.serving import export
+    from eagle_lib.drafter import export
 
     spec = bench_quality.worker_spec([1, 3, 6])
     assert spec["aux_layers"] == [1, 3, 6] and spec["config_aux_ids"] == [

@@ -95,7 +95,7 @@ def test_process_group_outlives_the_longest_wait_for_a_producer(monkeypatch):
 
     import torch.distributed as dist
 
-    from eagle_lib.drafter import distributed
+    from eagle_lib import distributed
     from eagle_lib.hidden_states import engine_hidden
 
     got = {}
@@ -109,7 +109,7 @@ def test_process_group_outlives_the_longest_wait_for_a_producer(monkeypatch):
 
 FSDP_BF16 = """
 import json, os, torch, torch.distributed as dist
-from eagle_lib.drafter import distributed
+from eagle_lib import distributed
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -158,7 +158,7 @@ def test_torchrun_line_joins_a_rendezvous_on_several_nodes(tmp_path, monkeypatch
     only run `--standalone`, one node); the line is written for the other nodes before the launch."""
     import subprocess
 
-    from eagle_lib.drafter import distributed
+    from eagle_lib import distributed
 
     one = distributed.torchrun_command(8, ["-m", "eagle_lib.train", "x.json"])
     assert one[3:] == ["--standalone", "--nproc_per_node=8", "-m", "eagle_lib.train", "x.json"]
@@ -182,7 +182,7 @@ def test_a_rank_past_the_nodes_gpus_is_refused_before_set_device(monkeypatch):
     """nproc_per_node 16 on an 8-GPU node: local rank 8 has no GPU; the old init called set_device(8)."""
     import torch.distributed as dist
 
-    from eagle_lib.drafter import distributed
+    from eagle_lib import distributed
 
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_RANK", "8")
@@ -194,7 +194,7 @@ def test_a_rank_past_the_nodes_gpus_is_refused_before_set_device(monkeypatch):
 
 
 def test_ranks_are_grouped_by_the_producer_that_serves_them():
-    from eagle_lib.drafter import distributed
+    from eagle_lib import distributed
 
     # the Kimi layout: 8 ranks, 3 a producer (the last producer serves 2)
     assert distributed.producer_groups(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]

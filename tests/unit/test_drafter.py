@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from eagle_lib import models
 from eagle_lib.drafter.model import (
     DraftCache,
     Eagle3Config,
     Eagle3Drafter,
-    default_aux_layers,
     load_drafter,
     save_drafter,
 )
@@ -203,7 +203,7 @@ def test_norm_option_matches_naive_reference_and_changes_only_its_part(option):
         assert not torch.allclose(out, b_out)
     else:
         assert not torch.allclose(logits, b_logits)
-    from eagle_lib.serving import export
+    from eagle_lib.drafter import export
 
     export.sglang_config(base.config)  # the original layer exports
     for make in (export.sglang_config, lambda c: export.speculators_config(c, "t", [])):
@@ -246,11 +246,11 @@ def test_draft_to_target_uses_d2t_offsets():
 def test_default_aux_layers_and_from_target_config():
     from transformers import DeepseekV3Config, LlamaConfig
 
-    assert default_aux_layers(8) == [1, 3, 4]
-    assert default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5
-    assert default_aux_layers(7) == [1, 2, 3]
+    assert models.default_aux_layers(8) == [1, 3, 4]
+    assert models.default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5
+    assert models.default_aux_layers(7) == [1, 2, 3]
     with pytest.raises(ValueError, match="not be distinct"):
-        default_aux_layers(6)  # would be [1, 2, 2]
+        models.default_aux_layers(6)  # would be [1, 2, 2]
     kimi = DeepseekV3Config(
         hidden_size=7168,
         num_hidden_layers=61,

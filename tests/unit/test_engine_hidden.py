@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle_lib import store
-from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.data.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.hidden_states import engine_hidden, hidden, vllm_producer
 from eagle_lib.hidden_states import hidden_buffer as hb
 from tests.support import eagle_tiny, hf_producer

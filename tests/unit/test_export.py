@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle_lib.serving import export
+from eagle_lib.drafter import export
 from tests.support import models as tiny
 
 torch.set_num_threads(1)

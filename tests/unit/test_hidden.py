@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle_lib.drafter.batches import Sequence, make_batch
+from eagle_lib.data.batches import Sequence, make_batch
 from eagle_lib.hidden_states import hidden
 from tests.support import eagle_tiny
 

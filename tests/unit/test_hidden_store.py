@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_lib import params
-from eagle_lib.drafter import batches
-from eagle_lib.drafter.batches import PAD_TO, Sequence, make_batch, seq_key
+from eagle_lib.data import batches
+from eagle_lib.data.batches import PAD_TO, Sequence, make_batch, seq_key
 from eagle_lib.hidden_states import engine_hidden, hidden, hidden_store, kept_source
 from eagle_lib.hidden_states import hidden_buffer as hb
 from eagle_lib.train import Params
@@ -163,8 +163,6 @@ def test_07_streams_within_the_bound_when_keeping_would_pass_it(target, tmp_path
     """Kimi's case at small scale: 07's training sequences take more than max_buffer_gb, so nothing is kept; each
     planned micro-batch is made, read once and deleted (the producer's own peak within the bound), a resumed arm
     skips what it does not ask for, an unplanned call is made on demand, and every call equals transformers'."""
-    from eagle_lib.drafter import recipe as rcp
-
     path, model, own = target
     started = hf_producer.patch(monkeypatch, own)
     run = eagle_tiny.make_run(path.parent)
@@ -181,7 +179,7 @@ def test_07_streams_within_the_bound_when_keeping_would_pass_it(target, tmp_path
     assert src.mode == "stream" and src.stats["produced_tokens"] == 0 and src.stats["producer_sessions"] == 0
 
     stream = batches.BatchStream(train[:12], 64, 1, 0)
-    mbs = [stream.micro_batch(m) for s in range(3) for m in rcp.micro_batches(s, 0, 1, 2)]
+    mbs = [stream.micro_batch(m) for s in range(3) for m in batches.micro_batches(s, 0, 1, 2)]
     src.expect(mbs)
     check_online(src, model, mbs[:2])
     check_online(src, model, mbs[4:])  # a resumed arm: units 2 and 3 are skipped, not waited for

@@ -117,7 +117,7 @@ def test_a_non_eagle3_draft_and_an_unreadable_file_are_named(tmp_path, target):
 
 
 def _export(root, drop=(), **cfg):
-    """An export config.json as eagle_lib.serving.export writes the speculators one (only the keys read here)."""
+    """An export config.json as eagle_lib.drafter.export writes the speculators one (only the keys read here)."""
     root.mkdir(parents=True, exist_ok=True)
     base = {"architectures": ["Eagle3DraftModel"], "transformer_layer_config": {}, "draft_vocab_size": 4,
             "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "norm_before_fc": False, "fc_norm": False,

@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_lib import store, train
-from eagle_lib.drafter import batches, checkpoints, measure
+from eagle_lib.data import batches
+from eagle_lib.drafter import checkpoints, measure
 from eagle_lib.drafter.model import load_drafter
 from tests.support import eagle_tiny
 
@@ -187,7 +188,7 @@ def test_report_answer_and_gap_table_state_the_numbers():
 def test_draft_intermediate_size_sets_the_mlp_width_and_is_exported(world, tmp_path):
     """05's `draft_intermediate_size` (a peer option: SpecForge / speculators take the draft layer's config):
     the drafter's MLP has that width, both exports carry it, and each export reloads to the same logits."""
-    from eagle_lib.serving import export
+    from eagle_lib.drafter import export
 
     root, run = world
     cfg = eagle_tiny.stage_config(run, root / "target", draft_intermediate_size=40)
@@ -214,8 +215,8 @@ def test_meter_decodes_on_the_machine_rule_threads_and_restores_the_training_thr
     """05's meter runs between training steps that may hold threads_alone (2): it decodes on cpu_threads' count."""
     from transformers import AutoModelForCausalLM
 
+    from eagle_lib.decoding import specdec
     from eagle_lib.engines import machine
-    from eagle_lib.serving import specdec
 
     root, run = world
     target = AutoModelForCausalLM.from_pretrained(root / "target").eval()

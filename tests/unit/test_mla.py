@@ -11,10 +11,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
-from eagle_lib.drafter import ttt
+from eagle_lib.drafter import export, ttt
 from eagle_lib.drafter.mla import mla_qkv
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter
-from eagle_lib.serving import export, preflight
+from eagle_lib.serving import preflight
 
 torch.set_num_threads(1)
 V, H, HT = 40, 32, 24

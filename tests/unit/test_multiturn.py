@@ -14,9 +14,8 @@ import torch
 import yaml
 
 from eagle_lib import extract, infer, models, params, store
-from eagle_lib.data import multiturn
+from eagle_lib.data import batches, multiturn
 from eagle_lib.data.chat import ChatEncoder
-from eagle_lib.drafter import batches
 from eagle_lib.engines.base import Request, Sampling
 from eagle_lib.engines.embedded import EmbeddedEngine
 from eagle_lib.pipeline import REPO_ROOT

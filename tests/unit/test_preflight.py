@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_lib.serving import commands, export, live, online, preflight
+from eagle_lib.drafter import export
+from eagle_lib.serving import commands, live, online, preflight
 from tests.support import models as tiny
 
 V = tiny.EXPORT_VOCAB

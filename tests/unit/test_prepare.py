@@ -192,7 +192,7 @@ def _trained_text(tok, rec) -> str:
 def test_turns_each_trains_every_turn_with_its_reasoning_once(world, tmp_path):
     """One sequence per assistant turn: that turn (reasoning included, which `all` drops for history turns)
     is its only trained text; 04's scanner and 05's loader count exactly these trainable tokens."""
-    from eagle_lib.drafter import batches
+    from eagle_lib.data import batches
     from eagle_lib.length_study import scan
 
     meta = prepare.run(make_cfg(world, tmp_path / "each", turns="each"))

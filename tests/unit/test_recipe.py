@@ -1,8 +1,10 @@
-"""eagle_lib.drafter.recipe: the one schedule and step layout that 05 and 07 train with."""
+"""eagle_lib.drafter.recipe: the one schedule and step layout that 05 and 07 train with (the step count and the
+micro-batches of a step: eagle_lib.data.batches)."""
 
 import pytest
 import torch
 
+from eagle_lib.data import batches
 from eagle_lib.drafter import recipe
 
 
@@ -35,8 +37,8 @@ def test_ranks_of_a_step_take_what_one_process_takes(world, accum):
     assert one.grad_accum == world * accum and one.nproc_per_node == 1
     seen = []
     for step in range(3):
-        ranks = [list(recipe.micro_batches(step, r, world, accum)) for r in range(world)]
-        assert sum(ranks, []) == list(recipe.micro_batches(step, 0, 1, one.grad_accum))
+        ranks = [list(batches.micro_batches(step, r, world, accum)) for r in range(world)]
+        assert sum(ranks, []) == list(batches.micro_batches(step, 0, 1, one.grad_accum))
         seen += sum(ranks, [])
     assert seen == list(range(3 * world * accum))
 
@@ -44,11 +46,11 @@ def test_ranks_of_a_step_take_what_one_process_takes(world, accum):
 def test_the_step_count_is_the_same_for_any_split_of_the_global_batch():
     p = recipe.Params(max_steps=0, epochs=2, grad_accum=4)
     assert (
-        recipe.total_steps(p, 100, 8)
+        batches.total_steps(p, 100, 8)
         == 2 * 100 // 32
-        == recipe.total_steps(recipe.single_process(p, 8), 100, 1)
+        == batches.total_steps(recipe.single_process(p, 8), 100, 1)
     )
-    assert recipe.total_steps(p.model_copy(update={"max_steps": 5}), 100, 8) == 5
+    assert batches.total_steps(p.model_copy(update={"max_steps": 5}), 100, 8) == 5
 
 
 def test_the_kimi_params_train_by_their_epochs_not_the_default_step_count():
@@ -64,8 +66,8 @@ def test_the_kimi_params_train_by_their_epochs_not_the_default_step_count():
         cfg = yaml.safe_load((root / "params" / name).read_text())["stages"]["05_train_eagle3"]
         p = recipe.Params(**{k: v for k, v in cfg.items() if k in recipe.Params.model_fields})
         per_epoch, world = 10_000, cfg["nproc_per_node"]
-        assert recipe.total_steps(p, per_epoch, world) == 2 * per_epoch // (world * cfg["grad_accum"])
+        assert batches.total_steps(p, per_epoch, world) == 2 * per_epoch // (world * cfg["grad_accum"])
     with pytest.raises(ValueError, match="max_steps: 0"):
         recipe.Params(epochs=2)
-    assert recipe.total_steps(recipe.Params(epochs=2, max_steps=0), 100, 1) == 200
+    assert batches.total_steps(recipe.Params(epochs=2, max_steps=0), 100, 1) == 200
     assert recipe.Params(epochs=3, max_steps=5).max_steps == 5  # both set: the steps, as asked

@@ -10,7 +10,8 @@ import pytest
 
 SCRIPT = """
 import json, os, torch, torch.distributed as dist
-from eagle_lib.drafter import distributed, seqpar, ttt
+from eagle_lib.drafter import seqpar, ttt
+from eagle_lib import distributed
 from tests.unit.test_longseq import packed
 from tests.unit.test_train import drafter
 torch.set_num_threads(1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from eagle_lib import params
+from eagle_lib.decoding.sampling import Sampler, draft_sampler
 from eagle_lib.drafter import recipe, served, ttt
-from eagle_lib.serving.sampling import Sampler, draft_sampler
 from tests.unit.test_longseq import packed
 from tests.unit.test_train import drafter
 
@@ -196,7 +196,7 @@ def test_heldout_evaluation_reports_the_acceptance_of_a_probabilistic_draft_as_a
     against a reference from the drafter run as an engine runs it (`inference_chain`: the data's tokens fed to each
     step) and the decoder's own warp of the target (`sampling.warp`: T, top_p over the whole vocab), the draft
     sampled from softmax(logits / T) over the draft ids, summed in plain Python."""
-    from eagle_lib.serving.sampling import warp
+    from eagle_lib.decoding.sampling import warp
     from tests.unit.test_train import inference_chain, inputs
 
     m = drafter(seed=3, n=20)

@@ -15,11 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.serving import online, specdec, tables
-from eagle_lib.serving import tables as tables_mod
-from eagle_lib.serving.sampling import Sampler
-from eagle_lib.serving.specdec import (
+from eagle_lib.decoding import specdec
+from eagle_lib.decoding.sampling import Sampler
+from eagle_lib.decoding.specdec import (
     EagleProposer,
     NgramProposer,
     NoProposer,
@@ -27,6 +25,9 @@ from eagle_lib.serving.specdec import (
     TargetRunner,
     speculative_generate,
 )
+from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
+from eagle_lib.serving import online, tables
+from eagle_lib.serving import tables as tables_mod
 from tests.support import models as tiny
 
 torch.set_num_threads(1)
@@ -413,7 +414,7 @@ def test_sampler_temperature_zero_is_greedy(small):
 
 
 def test_warp_matches_transformers():
-    from eagle_lib.serving.sampling import warp
+    from eagle_lib.decoding.sampling import warp
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50, dtype=torch.float64) * 3

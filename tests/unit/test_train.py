@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from eagle_lib import params, store, train
-from eagle_lib.drafter import batches, served, trainer, ttt
+from eagle_lib.data import batches
+from eagle_lib.drafter import served, trainer, ttt
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, load_drafter
 from tests.support import eagle_tiny
 
@@ -457,7 +458,7 @@ def test_every_label_token_is_trained_held_out_cut_or_dropped(tmp_path):
     a sequence left with no label as dropped, and the counts add up to the labels of the input, recounted here
     from the files themselves."""
     from eagle_lib import store
-    from eagle_lib.drafter import batches
+    from eagle_lib.data import batches
 
     run = tmp_path / "run"
     recs = [  # lengths 6, 1500, 5000: the last two are cut at 1200; one has all its labels past the cut

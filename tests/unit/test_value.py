@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eagle_lib import acceptance, store, train
-from eagle_lib.data import subsets
-from eagle_lib.drafter import batches, retrain, ttt
+from eagle_lib.data import batches, subsets
+from eagle_lib.drafter import retrain, ttt
 from eagle_lib.drafter.model import load_drafter
 from eagle_lib.serving import heldout_tau
 from tests.support import eagle_tiny
@@ -120,7 +120,7 @@ def test_heldout_prompts_are_those_06_decodes(trained, tmp_path):
 
 def test_decoder_sums_pool_to_the_generation_tau(trained):
     from eagle_lib import models
-    from eagle_lib.serving import specdec
+    from eagle_lib.decoding import specdec
 
     run, _, tr = trained
     drafter = load_drafter(run / "drafter" / "final")
@@ -248,8 +248,8 @@ def test_threads_rise_to_threads_alone_once_the_producers_stop(trained, tmp_path
 def test_decoder_decodes_on_the_machine_rule_threads_not_the_training_threads(trained, monkeypatch):
     """07 trains each arm on threads_alone (2 on a 2-core host) and then decodes its tau: decoding must run on
     cpu_threads' count (one of two cores, the faster one for decoding) and leave the training threads as found."""
+    from eagle_lib.decoding import specdec
     from eagle_lib.engines import machine
-    from eagle_lib.serving import specdec
 
     run, _, tr = trained
     drafter = load_drafter(run / "drafter" / "final")

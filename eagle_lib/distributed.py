@@ -1,9 +1,12 @@
 """Multi-process training: torchrun environment, DDP / FSDP wrapping, full (portable) state dicts.
 
 Under ``torchrun --nproc_per_node N`` each process trains on its share of every optimizer step's
-micro-batches (see `eagle_lib.drafter.batches.BatchStream`); gradients are averaged across processes, so the run
+micro-batches (see `eagle_lib.data.batches.BatchStream`); gradients are averaged across processes, so the run
 matches a single process with ``grad_accum * N`` micro-batches. gloo on CPU, nccl on GPU. Checkpoints hold
 full, unsharded state dicts keyed by parameter name, so a run resumes under any world size.
+
+Top-level because two wings share it: the trainer (`eagle_lib.drafter`) and the vllm hidden source, whose plan
+follows the trainer's data-parallel rank and whose producers serve groups of ranks (`eagle_lib.hidden_states`).
 """
 
 from __future__ import annotations

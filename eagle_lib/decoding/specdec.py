@@ -1,7 +1,7 @@
 """Offline speculative decoding: the target (transformers) verifies every draft, greedily or by sampling.
 
 One step: the proposer drafts up to k tokens after the newest token ``x_n``; the target reads
-``[x_n, d_1..d_k]`` in ONE forward (KV cache) and :class:`~eagle_lib.serving.sampling.Sampler` judges the
+``[x_n, d_1..d_k]`` in ONE forward (KV cache) and :class:`~eagle_lib.decoding.sampling.Sampler` judges the
 drafts. Greedy (temperature 0): accept the longest prefix with ``d_i == argmax p_{i-1}`` and emit the argmax
 after it (the bonus token), so the output is the target's own greedy decoding token for token, whatever the
 proposer does. Sampled (temperature > 0, with top_p / top_k): the speculative accept/reject rule with residual
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_lib.data.evalsets import Prompt  # noqa: F401  (re-exported: specdec.Prompt)
-from eagle_lib.serving.sampling import Sampler, warp
+from eagle_lib.decoding.sampling import Sampler, warp
 
 
 @dataclass

@@ -4,20 +4,31 @@ A sequence is token ids plus a label mask (``loss_mask[i] == 1``: token ``i`` is
 predicted, see docs/CONTRACTS.md). Packing puts several sequences in one row of at most ``pack_len`` tokens;
 ``position_ids`` restart at 0 for each and ``doc_ids`` tell them apart, so neither the target nor the
 drafter attends across sequences, and no label crosses a sequence boundary.
+
+The one home of the training data's order, shared by the trainer (`eagle_lib.drafter`), the hidden-state
+sources that produce ahead of it (`eagle_lib.hidden_states`) and 07's subsets: `BatchStream`, the micro-batches
+a step takes (`micro_batches`), the step count (`total_steps`) and a sequence's content key (`seq_key`).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle_lib import store
 from eagle_lib.data import multiturn
-from eagle_lib.hidden_states.hidden import seq_key
+
+
+def seq_key(ids) -> str:
+    """Content key of a token sequence (matches dumps and kept hidden states to training sequences)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    return hashlib.sha1(arr.tobytes()).hexdigest()
 
 
 @dataclass
@@ -265,3 +276,16 @@ class BatchStream:
         random.Random(self.seed + epoch).shuffle(order)
         chosen = order[j * self.rows_per_batch : (j + 1) * self.rows_per_batch]
         return make_batch(self.seqs, [self.rows[i] for i in chosen], PAD_TO)
+
+
+def total_steps(p, per_epoch: int, world: int) -> int:
+    """Optimizer steps of a run with 05's params `p` (``max_steps``, ``epochs``, ``grad_accum``): max_steps,
+    else epochs x micro-batches per epoch / micro-batches per step (grad_accum on each of `world` processes)."""
+    return p.max_steps or max(1, p.epochs * per_epoch // (world * p.grad_accum))
+
+
+def micro_batches(step: int, rank: int, world: int, grad_accum: int) -> range:
+    """The indices (into `BatchStream`) of the micro-batches rank `rank` trains at `step`: a step takes
+    world x grad_accum consecutive ones, so one process with grad_accum x world takes the same, in order."""
+    first = step * world * grad_accum + rank * grad_accum
+    return range(first, first + grad_accum)
