@@ -71,11 +71,11 @@ parts:
 setup: parts llamacpp-env toy
 
 # The standard tier: every real part exercised (vLLM, SGLang's classes and router, the real model, llama.cpp), without
-# the `full` tier's variants and long checks; prints the 15 slowest tests. three pytest workers (TEST_WORKERS) on the
+# the `full` tier's variants and long checks; prints the 15 slowest tests. Two pytest workers (TEST_WORKERS) on the
 # 2 cores (pytest-xdist; a worker often waits on a server or a stage kernel), llama.cpp built at nice 19 behind the
 # tests, which wait for it where they serve with it; the toy world trains inside the suite, beside the real model's
 # slice, which does not need it. tests/conftest.py keeps what shares a fixture in one worker and orders the files.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2  # 3 measured slower: llama.cpp's build, at nice 19, then starves (README, "Time")
 test:
 	@bash scripts/install_llamacpp.sh --background
 	@$(MAKE) --no-print-directory parts

@@ -1,4 +1,4 @@
-"""The suite under pytest-xdist (`make test` runs three workers, `--dist loadfile`).
+"""The suite under pytest-xdist (`make test` runs two workers, `--dist loadfile`).
 
 - A file's tests run in one worker, so its module fixtures (a trained drafter, a vLLM server) are built once. The
   toy pipeline's session run (`ci_run`, tests/pipeline/conftest.py) is shared by several files: the first worker to
@@ -7,8 +7,8 @@
   no longer reads.)
 - The long files go first (RANKS below: the real-model slice, the toy pipeline's first file, the server tests),
   so the workers start on the longest and the short ones fill in behind them (`--no-loadscope-reorder` keeps
-  this order; xdist's own sorts by test count). `make test` runs three workers on two cores: a worker often waits
-  (a server starting, a stage kernel, llama.cpp's build) and the third keeps both cores busy.
+  this order; xdist's own sorts by test count). Three workers measured slower than two: llama.cpp's build, which
+  `make test` runs at nice 19 behind the tests, then gets almost no CPU and the tests that need it wait longer.
 - Under xdist each server a test starts takes one core unpinned (`OMP_NUM_THREADS=1`,
   `VLLM_CPU_OMP_THREADS_BIND=nobind`, set before any server starts): the workers share two cores, and a server
   pinned to both, or spinning on both, would stall the other workers' processes (docs/MACHINES.md).

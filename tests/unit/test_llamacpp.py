@@ -241,7 +241,10 @@ def test_a_build_in_progress_is_seen_and_waited_for(tmp_path, monkeypatch):
         assert llamacpp.building()
         t0, said = time.monotonic(), []
         why = llamacpp.wait_for_build(log=said.append)
-        assert time.monotonic() - t0 > 0.5 and holder.poll() is not None  # it waited for the holder to end
+        assert (
+            time.monotonic() - t0 > 0.5
+        )  # it waited for the holder's sleep (flock(1) itself exits just after)
+        assert holder.wait(timeout=10) == 0
     finally:
         holder.kill()
     assert not llamacpp.building()
