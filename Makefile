@@ -11,11 +11,13 @@ STAGES ?=
 
 env: $(VENV)/.installed
 
-# Re-installs when pyproject.toml changes. torch==2.13.0 resolves to the CPU build on these machines.
+# Re-installs when pyproject.toml changes. torch==2.13.0 resolves to the CPU build on these machines. -qq: pip's
+# errors only (a machine's pip config can warn once per package about its index paths; setuptools warns that an
+# editable install is one): nothing a user of `make run` can act on.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq -e ".[dev]"
 	touch $@
 
 # Separate venv for the real vLLM CPU server used by the server tests (it pins its own torch).
