@@ -215,23 +215,13 @@ def test_meter_decodes_on_the_machine_rule_threads_and_restores_the_training_thr
     """05's meter runs between training steps that may hold threads_alone (2): it decodes on cpu_threads' count."""
     from transformers import AutoModelForCausalLM
 
-    from eagle_lib.decoding import specdec
-    from eagle_lib.engines import machine
+    from tests.support.threads import training_threads_on_two_cores
 
     root, run = world
     target = AutoModelForCausalLM.from_pretrained(root / "target").eval()
     cfg = eagle_tiny.stage_config(run, root / "target")
     _, drafter, _, held, _, _ = train.build(cfg, torch.device("cpu"))
-    seen, real = [], specdec.speculative_generate
-    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
-    monkeypatch.setattr(
-        specdec, "speculative_generate", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k)
-    )
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with training_threads_on_two_cores(monkeypatch) as seen:
         measure.Meter(target, drafter.config.aux_layers, measure.prompts_of(held, 2, 64), 6, 3)(drafter)
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)

@@ -248,22 +248,12 @@ def test_threads_rise_to_threads_alone_once_the_producers_stop(trained, tmp_path
 def test_decoder_decodes_on_the_machine_rule_threads_not_the_training_threads(trained, monkeypatch):
     """07 trains each arm on threads_alone (2 on a 2-core host) and then decodes its tau: decoding must run on
     cpu_threads' count (one of two cores, the faster one for decoding) and leave the training threads as found."""
-    from eagle_lib.decoding import specdec
-    from eagle_lib.engines import machine
+    from tests.support.threads import training_threads_on_two_cores
 
     run, _, tr = trained
     drafter = load_drafter(run / "drafter" / "final")
     prompts, _ = heldout_tau.heldout_prompts(run, 40.0, 2, 768)
-    seen, real = [], specdec.speculative_generate
-    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
-    monkeypatch.setattr(
-        specdec, "speculative_generate", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k)
-    )
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with training_threads_on_two_cores(monkeypatch) as seen:
         heldout_tau.Decoder(tr.source.model, prompts, 8, 3, []).add("d", drafter)
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
