@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -81,8 +82,10 @@ def test_vllm_hidden_states_equal_transformers_within_the_bound(tmp_path):
     src = engine_hidden.VllmHidden(buf, units, tokens, 0, ids, AUX, head, cfg.hidden_size, torch.device("cpu"),
                                    producer_cfg=pcfg, keep=True)  # fmt: skip
     try:
-        for b in batches:
+        for i, b in enumerate(batches):
             aux, logits = src(b)
+            if i == 0:  # let the producer run ahead until the bound stops it (on a loaded machine the checks
+                time.sleep(15)  # below can be slower than vLLM's prefill, which then never had to wait)
             with torch.no_grad():
                 ref_logits = model(b.input_ids, position_ids=b.position_ids).logits
             for row, segs in enumerate(b.segments):
