@@ -11,7 +11,9 @@
   `make test` runs at nice 19 behind the tests, then gets almost no CPU and the tests that need it wait longer.
 - Under xdist each server a test starts takes one core unpinned (`OMP_NUM_THREADS=1`,
   `VLLM_CPU_OMP_THREADS_BIND=nobind`, set before any server starts): the workers share two cores, and a server
-  pinned to both, or spinning on both, would stall the other workers' processes (docs/MACHINES.md).
+  pinned to both, or spinning on both, would stall the other workers' processes (docs/MACHINES.md). So does
+  every other process of ours (`EAGLE_MAX_THREADS`, eagle_lib/threads.py: the cores over the workers, 1 on 2 cores): the real slice's
+  05 ran its 16 steps at 30-65 s each (738 s, AVX2 EPYC) with 2 threads beside the toy world's 2-thread training.
 
 Both ways, OpenMP waits passively in the test processes (`OMP_WAIT_POLICY=PASSIVE` unless set; the toy world's
 2 training threads and 05's `threads_alone` assume it, as the pipeline's kernels do). Without xdist nothing else
@@ -42,6 +44,12 @@ def pytest_configure(config):
     if _xdist(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # every process of ours within its share of the cores (engines.machine.thread_cap): the stages' own
+        # thread counts (05's threads_alone: 2, the toy world's 2 training threads) assume an idle machine
+        n = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or config.getoption("numprocesses", None) or 1
+        workers = int(n) if str(n).isdigit() else 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ.setdefault("EAGLE_MAX_THREADS", str(max(1, cores // max(1, workers))))
 
 
 def order_keys(items) -> dict[int, int]:

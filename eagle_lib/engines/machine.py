@@ -8,9 +8,10 @@ its machine (vLLM's AVX-512 build dies with SIGILL on an AVX2-only CPU).
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 from pathlib import Path
+
+from eagle_lib.threads import capped, usable_cores
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # as /proc/cpuinfo spells them
 
@@ -27,22 +28,15 @@ else:
 """
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def cpu_threads(requested: int = 0, processes: int = 1) -> int:
     """Torch CPU threads of one stage process: `requested` when > 0, else half the cores this process may use
-    shared by its `processes` (torchrun ranks), at least one. The one rule for every CPU stage (03's embedded
-    engine, 05, 06, 07): a torch job that takes every core collapses when anything else runs (measured by
-    benchmarks/bench_threads.py on 2 cores: beside a CPU-bound job, 2 threads kept 1-11% of their idle speed,
-    1 thread 81%); half leaves the other half to whatever shares the machine."""
+    shared by its `processes` (torchrun ranks), at least one; either within `thread_cap`. The one rule for every
+    CPU stage (03's embedded engine, 05, 06, 07): a torch job that takes every core collapses when anything else
+    runs (measured by benchmarks/bench_threads.py on 2 cores: beside a CPU-bound job, 2 threads kept 1-11% of
+    their idle speed, 1 thread 81%); half leaves the other half to whatever shares the machine."""
     if requested > 0:
-        return requested
-    return max(1, usable_cores() // (2 * max(1, processes)))
+        return capped(requested)
+    return capped(usable_cores() // (2 * max(1, processes)))
 
 
 def set_cpu_threads(requested: int = 0, processes: int = 1) -> int:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_lib import threads as cap
 from eagle_lib.engines import client
 from eagle_lib.engines.local_process import LocalServer
 
@@ -43,7 +44,8 @@ def free_port() -> int:
 
 
 def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool = True) -> dict[str, str]:
-    """Environment for the CPU backend: a small KV cache, optionally a thread cap; with `cpu_fixes`, the plugin
+    """Environment for the CPU backend: a small KV cache, optionally a thread count (within `eagle_lib.threads.thread_cap`;
+    with none, the cap where $EAGLE_MAX_THREADS sets one); with `cpu_fixes`, the plugin
     `eagle_lib.engines.vllm_cpu_fixes` (its dist-info dir and the repository on PYTHONPATH): without it vLLM 0.32's
     CPU backend samples speculative steps at T > 0 from uninitialised temperatures (vllm-project/vllm#55005)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -52,8 +54,10 @@ def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool =
 
         paths = [str(Path(vllm_cpu_fixes.__file__).parent / vllm_cpu_fixes.PLUGIN_DIR_NAME), str(REPO_ROOT)]
         env["PYTHONPATH"] = os.pathsep.join(paths + [x for x in [os.environ.get("PYTHONPATH", "")] if x])
+    if threads is None and cap.thread_cap():
+        threads = cap.thread_cap()  # a machine shared by several jobs (eagle_lib.threads)
     if threads:
-        env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+        env.update(OMP_NUM_THREADS=str(cap.capped(threads)), VLLM_CPU_OMP_THREADS_BIND="nobind")
     return env
 
 

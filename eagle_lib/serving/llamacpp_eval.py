@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import pandas as pd
 from eagle_lib import store
 from eagle_lib.data import evalsets
 from eagle_lib.data.evalsets import Prompt
+from eagle_lib.engines import machine
 from eagle_lib.serving import llamacpp
 from eagle_lib.serving import llamacpp_server as ls
 from eagle_lib.serving.online import same_output
@@ -250,7 +250,7 @@ def run(cfg, headline: dict | None = None, threads: int = 0) -> pd.DataFrame:
         raise llamacpp.LlamaCppError(f"{out}: no offline generations (llamacpp needs offline: true)")
     tok = models.load_tokenizer(cfg.shared)
     prompts = {ds: ps[: p.online_max_prompts] for ds, ps in eval_prompts(cfg, p, tok, gens).items()}
-    threads = threads or cfg.shared.num_workers or len(os.sched_getaffinity(0))
+    threads = machine.capped(threads or cfg.shared.num_workers or machine.usable_cores())
     ctx = max(1024, p.max_prompt_tokens + p.eval_max_new_tokens + 2 * p.num_steps + 16)
     temps = p.online_temps
     raw, plain = {}, {}

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle_lib.threads import capped
 from eagle_lib.toy import datasets, kimi_data, target, world
 from eagle_lib.toy.tokenizer import KIMI_LIKE_TEMPLATE, N_SPECIAL_SLOTS, SPECIAL_OFFSETS
 
@@ -421,7 +422,7 @@ def build_into(out: Path, recipe: dict, log: Callable) -> dict:
     blog["timings"]["tokenizer_s"] = round(time.time() - t0, 1)
 
     tr, threads = recipe["train"], torch.get_num_threads()
-    torch.set_num_threads(tr["threads"])
+    torch.set_num_threads(capped(tr["threads"]))
     try:
         from transformers import DeepseekV3ForCausalLM
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_lib.threads import capped
 from eagle_lib.toy import datasets, target
 from eagle_lib.toy.tokenizer import build_tokenizer, special_tokens
 
@@ -226,7 +227,7 @@ def _auto_threads() -> int:
 def _build_target(out: Path, tok, train_convs: list[dict], valid: dict, recipe: dict, log: Callable) -> dict:
     """Train, evaluate and save the toy target; returns its build-log entries."""
     tr, threads = recipe["train"], torch.get_num_threads()
-    n_threads = tr["threads"] or _auto_threads()
+    n_threads = capped(tr["threads"] or _auto_threads())
     torch.set_num_threads(n_threads)
     try:
         model = target.make_model(recipe["model"], tok, recipe["seed"])

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from eagle_lib import threads
 from eagle_lib.engines import machine, vllm_server
 
 EPYC = """processor\t: 0
@@ -52,5 +53,45 @@ def test_cpu_threads_is_half_the_usable_cores_shared_by_the_ranks(
     """The one thread rule of the CPU stages (bench_threads: every core collapses under load, half holds)."""
     from eagle_lib.engines import machine
 
-    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    monkeypatch.delenv(threads.MAX_THREADS_ENV, raising=False)  # `make test` sets it (tests/conftest.py)
     assert machine.cpu_threads(requested, processes) == want
+
+
+def test_the_thread_cap_bounds_every_count_we_ask_for(monkeypatch):
+    """A machine shared by jobs that each think they are alone (the suite's two workers on 2 cores): a count a
+    params file asks for (05's threads_alone: 2), the half-the-cores rule and a vLLM process's OpenMP threads all
+    stay within $EAGLE_MAX_THREADS."""
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: set(range(8)))
+    monkeypatch.delenv(threads.MAX_THREADS_ENV, raising=False)
+    assert (machine.cpu_threads(2), machine.cpu_threads(), machine.cpu_threads(0, 2)) == (2, 4, 2)
+    assert "OMP_NUM_THREADS" not in vllm_server.cpu_env(cpu_fixes=False)
+    monkeypatch.setenv(threads.MAX_THREADS_ENV, "1")
+    assert (machine.cpu_threads(2), machine.cpu_threads(), machine.capped(16)) == (1, 1, 1)
+    assert vllm_server.cpu_env(cpu_fixes=False)["OMP_NUM_THREADS"] == "1"
+    assert vllm_server.cpu_env(threads=4, cpu_fixes=False)["OMP_NUM_THREADS"] == "1"
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(threads.MAX_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match="EAGLE_MAX_THREADS"):
+            machine.cpu_threads(2)
+
+
+def test_a_training_step_alone_takes_its_threads_within_the_cap(monkeypatch):
+    """05/07's `threads_alone` (2 on a 2-core host) beside another worker's job: torch gets the cap's 1 thread."""
+    import types
+
+    import torch
+
+    from eagle_lib.drafter import trainer
+
+    before = torch.get_num_threads()
+    p = types.SimpleNamespace(threads_alone=2, num_threads=1)
+    try:
+        monkeypatch.setenv(threads.MAX_THREADS_ENV, "1")
+        trainer.alone_threads(p, object())  # a source without producers: alone throughout
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv(threads.MAX_THREADS_ENV)
+        trainer.alone_threads(p, object())
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
