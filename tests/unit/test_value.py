@@ -217,7 +217,9 @@ def test_a_replicate_trains_on_another_draw_of_its_training_set(trained):
 def test_threads_rise_to_threads_alone_once_the_producers_stop(trained, tmp_path, monkeypatch):
     """threads_alone: the steps taken while the source's producer runs keep 05's thread count, the steps after
     it use threads_alone (the producer's core is free then); without it the count never changes."""
-    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)  # `make test`'s cap (tests/conftest.py) would hold 1
+    monkeypatch.delenv(
+        "EAGLE_MAX_THREADS", raising=False
+    )  # `make test`'s cap (tests/conftest.py) would hold 1
     run, cfg, tr = trained
     seqs, _, _ = tr.sequences(run)
     inner, calls = tr.source, []
