@@ -21,8 +21,8 @@ def thread_cap() -> int:
     """The most CPU threads any one process of ours takes (torch in a stage, the toy worlds' training, a vLLM
     server or producer, llama.cpp): ``$EAGLE_MAX_THREADS`` when set to a positive integer; 0 (no cap) unset.
     For a machine shared by several jobs that each think they are alone: the suite's two pytest workers set it
-    to 1 on 2 cores (tests/conftest.py), since a 2-thread job beside another CPU-bound one collapses (see
-    `cpu_threads`; the real slice's 05 took 738 s that way on an AVX2 EPYC, its 16 steps 30-65 s each)."""
+    to 1 on 2 cores (tests/conftest.py), since a job that takes every core collapses beside another CPU-bound one
+    (`eagle_lib.engines.machine.cpu_threads`, benchmarks/bench_threads.py)."""
     raw = os.environ.get(MAX_THREADS_ENV, "").strip()
     if raw:
         try:

@@ -12,8 +12,8 @@
 - Under xdist each server a test starts takes one core unpinned (`OMP_NUM_THREADS=1`,
   `VLLM_CPU_OMP_THREADS_BIND=nobind`, set before any server starts): the workers share two cores, and a server
   pinned to both, or spinning on both, would stall the other workers' processes (docs/MACHINES.md). So does
-  every other process of ours (`EAGLE_MAX_THREADS`, eagle_lib/threads.py: the cores over the workers, 1 on 2 cores): the real slice's
-  05 ran its 16 steps at 30-65 s each (738 s, AVX2 EPYC) with 2 threads beside the toy world's 2-thread training.
+  every other process of ours (`EAGLE_MAX_THREADS`, eagle_lib/threads.py: the cores over the workers, 1 on 2
+  cores), whose own counts (05's threads_alone: 2, the toy world's 2 training threads) assume an idle machine.
 
 Both ways, OpenMP waits passively in the test processes (`OMP_WAIT_POLICY=PASSIVE` unless set; the toy world's
 2 training threads and 05's `threads_alone` assume it, as the pipeline's kernels do). Without xdist nothing else

@@ -8,8 +8,8 @@ the pair).
 
 `Muon` is torch's, except for the precision of the Newton-Schulz iterations: torch runs them in bfloat16, which a
 GPU (or a CPU with AMX) multiplies natively but an AVX2 or AVX-512 CPU without avx512_bf16 emulates. There the
-bfloat16 iterations were 87% of a real-model step (py-spy, the SmolLM2 drafter's 9 matrices on an AVX2 EPYC: 30-35 s
-of a 34 s step of 512 tokens; `benchmarks/bench_muon.py` measures it side by side). On a CPU they run in float32:
+bfloat16 iterations were 87% of a real-model step (py-spy, the SmolLM2 drafter's 8 Muon matrices on an AVX2
+EPYC: ~30 s of a 34 s step of 512 tokens; `benchmarks/bench_muon.py` measures it side by side). On a CPU they run in float32:
 the same update up to bfloat16's rounding (~1% of its norm), at a fraction of the cost; on CUDA in bfloat16, as
 torch and the peers do.
 """
@@ -22,9 +22,8 @@ from collections.abc import Iterable
 import torch
 
 KINDS = ("adamw", "muon")
-NS_DTYPE = {
-    "cuda": torch.bfloat16
-}  # device type -> Newton-Schulz dtype; float32 elsewhere (the module docstring)
+# device type -> the Newton-Schulz iterations' dtype; float32 elsewhere (the module docstring)
+NS_DTYPE = {"cuda": torch.bfloat16}
 _NOT_MUON = ("lm_head", "embed_tokens")  # 2-D, but a vocabulary map: AdamW
 
 

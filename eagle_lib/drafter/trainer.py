@@ -80,8 +80,8 @@ def _micro_step(model, source, batch, device, autocast: bool, accum: int, sync: 
 
 def alone_threads(p, source) -> None:
     """torch's threads for the next step: p.threads_alone (within `eagle_lib.threads.thread_cap`) while none of the
-    source's producers runs (a source without producers: always), else p.num_threads's count (05's rule), since a CPU-bound job beside a torch job
-    that takes every core collapses it (benchmarks/bench_threads.py)."""
+    source's producers runs (a source without producers: always), else p.num_threads's count (05's rule), since a
+    CPU-bound job beside a torch job that takes every core collapses it (benchmarks/bench_threads.py)."""
     if p.threads_alone <= 0:
         return
     producing = getattr(source, "producing", None)

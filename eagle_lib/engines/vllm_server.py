@@ -44,8 +44,8 @@ def free_port() -> int:
 
 
 def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool = True) -> dict[str, str]:
-    """Environment for the CPU backend: a small KV cache, optionally a thread count (within `eagle_lib.threads.thread_cap`;
-    with none, the cap where $EAGLE_MAX_THREADS sets one); with `cpu_fixes`, the plugin
+    """Environment for the CPU backend: a small KV cache, optionally a thread count (within
+    `eagle_lib.threads.thread_cap`; with none, the cap where $EAGLE_MAX_THREADS sets one); with `cpu_fixes`, the plugin
     `eagle_lib.engines.vllm_cpu_fixes` (its dist-info dir and the repository on PYTHONPATH): without it vLLM 0.32's
     CPU backend samples speculative steps at T > 0 from uninitialised temperatures (vllm-project/vllm#55005)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
