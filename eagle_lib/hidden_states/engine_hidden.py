@@ -33,7 +33,6 @@ import torch
 
 from eagle_lib import distributed, models, store
 from eagle_lib.data import batches
-from eagle_lib.engines import machine
 from eagle_lib.hidden_states import hidden, hidden_store
 from eagle_lib.hidden_states import hidden_buffer as hb
 
@@ -115,7 +114,7 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool, plan_session: str
     buf = Path(buf).absolute()  # the command names the buffer alone, wherever it runs
     env = server_env({"PYTHONPATH": str(REPO_ROOT)})
     if cpu:
-        env.update(cpu_env(kv_cache_gib=1, threads=machine.cpu_threads()))
+        env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
     cmd = [str(py), "-m", "eagle_lib.hidden_states.vllm_producer", "--buffer", str(buf)]
     cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{session}"]
     cmd += ["--session", plan_session] if plan_session else []
