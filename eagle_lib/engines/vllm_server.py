@@ -24,6 +24,7 @@ from eagle_lib.engines import client
 from eagle_lib.engines.local_process import LocalServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # eagle_lib/engines/ -> the repo
+SINGLE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_PYTHON_ENV = "EAGLE_VLLM_PYTHON"  # environment variable overriding the vLLM interpreter
 
 
@@ -58,6 +59,19 @@ def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool =
         threads = cap.thread_cap()  # a machine shared by several jobs (eagle_lib.threads)
     if threads:
         env.update(OMP_NUM_THREADS=str(cap.capped(threads)), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    return env
+
+
+def one_process(env: dict[str, str]) -> dict[str, str]:
+    """A server's `env` with vLLM's engine core and its one CPU worker in a single process where OpenMP is left
+    unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``): vLLM 0.32's CPU platform turns the single-process executor into
+    the multiprocess one only so that it can bind OpenMP threads in a fresh worker, which nobind does not do. Each
+    process spared is one import of vLLM and torch: the toy target's server answers 27 s after its start instead of 38
+    (benchmarks/bench_vllm_start.py). A value already set is kept; with the binding left to vLLM, nothing changes.
+    Servers only: in the offline `vllm.LLM` (the hidden-state producer) the same variable also moves the engine core
+    into the caller's process, and there the producer's first prefill never returned (seen here)."""
+    if env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+        env.setdefault(SINGLE_PROCESS_ENV, "0")
     return env
 
 
@@ -137,7 +151,7 @@ def start_vllm(
     if tokenizer:
         cmd += ["--tokenizer", str(tokenizer)]
     cmd += list(extra_args or [])
-    full_env = server_env({**cpu_env(cpu_fixes=cpu_fixes), **(env or {})})
+    full_env = one_process(server_env({**cpu_env(cpu_fixes=cpu_fixes), **(env or {})}))
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
