@@ -1,7 +1,8 @@
 """A small slice of params/smollm2.yaml, end to end in the suite, so the real path cannot rot: SmolLM2-135M-Instruct
 from its PyPI GGUF (converted once into the cache), ShareGPT from its wheel, 03 through a vLLM CPU server the stage
 starts itself, 05 on vLLM's hidden states, 06 on held-out ShareGPT, MT-Bench (both turns) and HumanEval at T=0 and
-T=1, offline and served by vLLM with the drafter, and 07.
+T=1, offline and served by vLLM with the drafter; 07 on the same run in the `full` tier (`make test-all`: ~190 s
+here on top of the slice's ~550 s; the toy pipeline's run keeps 07 in `make test`).
 
 The slice is the same params file with only sizes changed (`SLICE`): a handful of prompts, a few steps.
 """
@@ -67,7 +68,7 @@ def real_run(tmp_path_factory) -> Path:
     # a fresh run each time: an earlier one's records were made by other code (03 would rightly refuse them as
     # stale, as it did when 03's target identity changed)
     shutil.rmtree(REPO_ROOT / "outputs" / "real_ci", ignore_errors=True)
-    manifest = run_pipeline(params_file)
+    manifest = run_pipeline(params_file, stages="01-06")
     return Path(manifest["run_dir"])
 
 
@@ -113,8 +114,18 @@ def test_the_slice_measures_tau_on_mt_bench_and_humaneval_offline_and_served(rea
     speed = h["served_tokens_per_s"]["T=0"]
     assert speed["tokens_per_s"] > 0 and speed["tokens_per_s_no_draft"] > 0
     assert speed["speedup"] == pytest.approx(speed["tokens_per_s"] / speed["tokens_per_s_no_draft"], rel=1e-2)
-    v = _meta(real_run, "value")
-    assert v["headline"]
+
+
+@pytest.mark.full
+@pytest.mark.server
+def test_the_slice_runs_07_on_its_own_drafter_and_kept_states(real_run):
+    """07 after the slice's 06 (the `full` tier), on 05's kept hidden states: both fractions' arms and the
+    regenerated-vs-original pair ran."""
+    params_file = json.loads((real_run / "manifest.json").read_text())["params_file"]
+    assert "07_data_value" in run_pipeline(params_file, stages="07")["stages"]
+    h = _meta(real_run, "value")["headline"]
+    assert {"0.5", "1"} <= set(h["tau_by_fraction"])
+    assert {"diff", "lo", "hi"} <= set(h["regen_minus_original"])
 
 
 @pytest.mark.server
