@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/toy.yaml
 STAGES ?=
 
-.PHONY: env vllm-env sglang-env router-env bench-env specforge-env llamacpp-env real-parts parts setup run real test test-all test-unit toy lint lab
+.PHONY: toy-background env vllm-env sglang-env router-env bench-env specforge-env llamacpp-env real-parts parts setup run real test test-all test-unit toy lint lab
 
 env: $(VENV)/.installed
 
@@ -56,6 +56,13 @@ real-parts:
 toy: env
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m eagle_lib.toy build
 
+# `make test`: the same world, trained behind the other installers (their pip work leaves a core mostly idle) and
+# then beside the first tests; the suite's fixture that needs it waits on the world's build lock, or builds it
+# itself if this build died. Log in .toy.build.log.
+toy-background: env
+	@echo "building the toy world in the background (log: .toy.build.log)"
+	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} nohup $(PY) -m eagle_lib.toy build </dev/null >.toy.build.log 2>&1 &
+
 run: env toy
 	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),) $(foreach s,$(SET),--set $(s))
 
@@ -75,11 +82,14 @@ setup: parts llamacpp-env toy
 # The standard tier: every real part exercised (vLLM, SGLang's classes and router, the real model, llama.cpp), without
 # the `full` tier's variants and long checks; prints the 15 slowest tests. Two pytest workers (TEST_WORKERS) on the
 # 2 cores (pytest-xdist; a worker often waits on a server or a stage kernel), llama.cpp built at nice 19 behind the
-# tests, which wait for it where they serve with it; the toy world trains inside the suite, beside the real model's
-# slice, which does not need it. tests/conftest.py keeps what shares a fixture in one worker and orders the files.
+# tests, which wait for it where they serve with it; the toy world trains in the background from before the other
+# installers (toy-background) on into the suite, beside the real model's slice, which does not need it.
+# tests/conftest.py keeps what shares a fixture in one worker and orders the files.
 TEST_WORKERS ?= 2  # 3 measured slower: llama.cpp's build, at nice 19, then starves (README, "Time")
 test:
 	@bash scripts/install_llamacpp.sh --background
+	@$(MAKE) --no-print-directory env
+	@$(MAKE) --no-print-directory toy-background
 	@$(MAKE) --no-print-directory parts
 	@$(PY) -m eagle_lib.engines.machine
 	$(PY) -m pytest -q -m "not full" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15

@@ -26,7 +26,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP, after this conftest
 # the order the files start in: the real-model slice, the first file on the toy pipeline's run (it builds the toy
-# world and the run), the server tests (llama.cpp's last: it waits for the build `make test` runs behind the tests),
+# world, or waits for `make test`'s background build of it, and the run), the server tests (llama.cpp's last: it waits for the build `make test` runs behind the tests),
 # the other files on the toy pipeline's run (by then it is done: a worker taking one early would wait on its lock),
 # the rest
 RANKS = ("real", "ci_first", "server", "llamacpp", "ci_rest")
