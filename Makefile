@@ -56,9 +56,10 @@ real-parts:
 toy: env
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m eagle_lib.toy build
 
-# `make test`: the same world, trained behind the other installers (their pip work leaves a core mostly idle) and
-# then beside the first tests; the suite's fixture that needs it waits on the world's build lock, or builds it
-# itself if this build died. Log in .toy.build.log.
+# `make test`: the same world, trained in the background from before the other installers on into the first tests,
+# so that it is ready ~6 min sooner than if the suite began it (the run is CPU-bound either way: `make parts` alone
+# keeps 1.7 cores busy); the suite's fixture that needs it waits on the world's build lock, or builds it itself if
+# this build died. Log in .toy.build.log.
 toy-background: env
 	@echo "building the toy world in the background (log: .toy.build.log)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} nohup $(PY) -m eagle_lib.toy build </dev/null >.toy.build.log 2>&1 &

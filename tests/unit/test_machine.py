@@ -95,3 +95,16 @@ def test_a_training_step_alone_takes_its_threads_within_the_cap(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_server_with_unbound_openmp_runs_its_worker_in_the_engine_core():
+    """vLLM's CPU platform forces its multiprocess executor unless VLLM_ENABLE_V1_MULTIPROCESSING is "0"; we set it
+    where OpenMP is left unbound (nobind), keep a value the caller set, and leave vLLM's own binding alone."""
+    assert (
+        vllm_server.one_process({"VLLM_CPU_OMP_THREADS_BIND": "nobind"})[vllm_server.SINGLE_PROCESS_ENV]
+        == "0"
+    )
+    kept = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", vllm_server.SINGLE_PROCESS_ENV: "1"}
+    assert vllm_server.one_process(dict(kept)) == kept
+    for bound in ({}, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}):
+        assert vllm_server.SINGLE_PROCESS_ENV not in vllm_server.one_process(dict(bound))
