@@ -85,6 +85,7 @@ class VllmPrefill:
             raise RuntimeError(f"vLLM returned no hidden_states_path for request {paths.index(None)}")
         return paths
 
+
     def _drain(self) -> None:
         """With the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: `eagle_lib.engines.vllm_server.
         one_process`), step it until its scheduler holds nothing. The connector writes a request's file (and releases
