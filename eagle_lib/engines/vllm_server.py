@@ -63,13 +63,13 @@ def cpu_env(kv_cache_gib: int = 1, threads: int | None = None, cpu_fixes: bool =
 
 
 def one_process(env: dict[str, str]) -> dict[str, str]:
-    """A vLLM process's `env` with its engine core's one CPU worker in the engine core's process where OpenMP is left
+    """A server's `env` with vLLM's engine core and its one CPU worker in a single process where OpenMP is left
     unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``): vLLM 0.32's CPU platform turns the single-process executor into
     the multiprocess one only so that it can bind OpenMP threads in a fresh worker, which nobind does not do. Each
     process spared is one import of vLLM and torch: the toy target's server answers 27 s after its start instead of 38
     (benchmarks/bench_vllm_start.py). A value already set is kept; with the binding left to vLLM, nothing changes.
-    In the offline `vllm.LLM` (the hidden-state producer) the engine core comes into the caller's process as well
-    (up in ~15 s instead of ~40), which then steps it itself (`vllm_producer.VllmPrefill._drain`)."""
+    Servers only: in the offline `vllm.LLM` (the hidden-state producer) the same variable also moves the engine core
+    into the caller's process, and there the producer's first prefill never returned (seen here)."""
     if env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
         env.setdefault(SINGLE_PROCESS_ENV, "0")
     return env

@@ -106,7 +106,7 @@ def producer_config(
 def launch(buf: Path, i: int, n: int, session: str, cpu: bool, plan_session: str = "") -> subprocess.Popen:
     """Producer i of n on buffer `buf` in the vLLM venv, in its own process group (stopped by `stop`, through
     the stop file of `session`); `plan_session`: the plan it serves (plan.json's ``session``)."""
-    from eagle_lib.engines.vllm_server import cpu_env, one_process, server_env, vllm_python
+    from eagle_lib.engines.vllm_server import cpu_env, server_env, vllm_python
 
     py = vllm_python()
     if not py.exists():
@@ -114,7 +114,7 @@ def launch(buf: Path, i: int, n: int, session: str, cpu: bool, plan_session: str
     buf = Path(buf).absolute()  # the command names the buffer alone, wherever it runs
     env = server_env({"PYTHONPATH": str(REPO_ROOT)})
     if cpu:
-        env = one_process({**env, **cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2))})
+        env.update(cpu_env(kv_cache_gib=1, threads=max(1, (os.cpu_count() or 2) // 2)))
     cmd = [str(py), "-m", "eagle_lib.hidden_states.vllm_producer", "--buffer", str(buf)]
     cmd += ["--index", str(i), "--count", str(n), "--stop-file", f"STOP.{session}"]
     cmd += ["--session", plan_session] if plan_session else []

@@ -79,25 +79,10 @@ class VllmPrefill:
 
         sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
-        self._drain()
         paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
         if None in paths:
             raise RuntimeError(f"vLLM returned no hidden_states_path for request {paths.index(None)}")
         return paths
-
-
-    def _drain(self) -> None:
-        """With the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: `eagle_lib.engines.vllm_server.
-        one_process`), step it until its scheduler holds nothing. The connector writes a request's file (and releases
-        its lock) in the step after the request finished; a separate engine-core process takes that step by itself,
-        but here nothing would, and the reader would wait on the lock for ever. One step, measured."""
-        from vllm.v1.engine.core_client import InprocClient
-
-        client = self.llm.llm_engine.engine_core
-        if isinstance(client, InprocClient):
-            core = client.engine_core
-            while core.scheduler.has_requests():
-                core.step_fn()
 
 
 def read_request_file(path: str) -> dict:
