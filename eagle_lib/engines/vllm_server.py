@@ -69,7 +69,8 @@ def one_process(env: dict[str, str]) -> dict[str, str]:
     process spared is one import of vLLM and torch: the toy target's server answers 27 s after its start instead of 38
     (benchmarks/bench_vllm_start.py). A value already set is kept; with the binding left to vLLM, nothing changes.
     Servers only: in the offline `vllm.LLM` (the hidden-state producer) the same variable also moves the engine core
-    into the caller's process, and there the producer's first prefill never returned (seen here)."""
+    into the caller's process, where the mini-Kimi producer dies as vLLM rebinds its Triton kernels
+    (docs/MACHINES.md, "Time")."""
     if env.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
         env.setdefault(SINGLE_PROCESS_ENV, "0")
     return env
