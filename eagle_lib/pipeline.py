@@ -47,15 +47,28 @@ class StageFailed(RuntimeError):
 
 
 def select_stages(spec: str | None, registry: dict[str, StageSpec]) -> list[str]:
-    """'01-06', '03', '01,03', '03-' -> stage names in order (by their two-digit prefix)."""
+    """'01-06', '03', '01,03', '03-', '03_infer,05_train_eagle3' -> stage names in order (by their two-digit
+    prefix; a whole stage name stands for its prefix). Anything else is a ParamsError naming the part."""
     names = list(registry)
     if not spec:
         return names
+
+    def number(end: str, part: str) -> int:
+        if end in names:
+            return int(end[:2])
+        if end.isdigit():
+            return int(end)
+        raise ParamsError(
+            f"--stages {spec!r}: {part!r} is not a stage number, range or name (e.g. 01-06, 03, 03-, "
+            f"{names[0]}; known: {', '.join(names)})"
+        )
+
     chosen: list[str] = []
     for part in spec.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        lo_n = int(lo) if lo else 0
-        hi_n = (int(hi) if hi else 99) if sep else lo_n
+        part = part.strip()
+        lo, sep, hi = (part, "", "") if part in names else part.partition("-")
+        lo_n = number(lo, part) if lo else 0
+        hi_n = (number(hi, part) if hi else 99) if sep else lo_n
         chosen += [n for n in names if lo_n <= int(n[:2]) <= hi_n and n not in chosen]
     if not chosen:
         raise ParamsError(f"--stages {spec!r} selects no stage (known: {', '.join(names)})")

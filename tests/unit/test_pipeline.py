@@ -101,6 +101,18 @@ def test_stage_selection():
         select_stages("05", REGISTRY)
 
 
+def test_stage_selection_by_name_and_a_clear_error_for_anything_else():
+    # `make real STAGES=01_prepare_A,...` raised a bare ValueError (int('01_prepare_A')) before any stage ran
+    assert select_stages("02_fake", REGISTRY) == ["02_fake"]
+    assert select_stages("01_fake, 02_fake", REGISTRY) == list(REGISTRY)
+    assert select_stages("01_fake-02_fake", REGISTRY) == list(REGISTRY)
+    for bad in ("prepare", "01_nope", "1-x"):
+        with pytest.raises(
+            ParamsError, match=f"--stages '{bad}': '{bad}' is not a stage number, range or name"
+        ):
+            select_stages(bad, REGISTRY)
+
+
 def test_cli_validate_reports_errors(tmp_path, capsys):
     bad = tmp_path / "x.yaml"
     bad.write_text("run_name: x\nshared: {seed: nope}\n")
