@@ -424,6 +424,11 @@ def main() -> None:
     ap.add_argument("--sampled-prompts", type=int, default=0, help="real: T=1 prompts a dataset (0: 06's)")
     ap.add_argument("--peer-lr", type=float, default=0.0, help="real: the peers' peak lr (0: ours, 05's)")
     ap.add_argument("--sf-decay", type=float, default=0.8, help="real: SpecForge's TTT decay (its default)")
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="real: a variant of ours' 05 recipe (e.g. learning_rate=0.005); the peers' lr stays --peer-lr")  # fmt: skip
+    ap.add_argument(
+        "--reuse", default="", help="real: another work dir whose identical peer jobs are copied, not rerun"
+    )
     ap.add_argument(
         "--work-dir", default="", help="real: where jobs write (a rerun resumes); default a new one"
     )

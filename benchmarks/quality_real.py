@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,12 +69,71 @@ def marks(steps: int) -> list[int]:
 # --- setup (main process) -------------------------------------------------------------------------------
 def _bench_params(p05, a):
     """05's recipe at the benchmark's budget, one process, no resume / measuring / producers' thread rule."""
+    p05 = ours_recipe(p05, a.ours_set)
     steps = a.steps or p05.max_steps
     warmup = a.warmup if a.warmup is not None else max(1, round(p05.warmup_steps * steps / p05.max_steps))
     return p05.model_copy(
         update=dict(max_steps=steps, warmup_steps=warmup, resume=False, checkpoint_every=10**6, log_every=0,
                     measure_every=0, num_threads=1, threads_alone=0, stop_after_steps=0)
     )  # fmt: skip
+
+
+def ours_recipe(p05, sets: list[str]):
+    """05's recipe with ``--ours-set KEY=VALUE`` overrides (05's keys, values read as YAML), validated as 05
+    validates its params: a variant of our side only (the peers' lr is --peer-lr's)."""
+    from eagle_lib.params import ParamsError, parse_override
+
+    update = {}
+    for text in sets:
+        parts, value = parse_override(text)
+        if len(parts) != 1:
+            raise ParamsError(
+                f"--ours-set {text!r}: name one key of 05_train_eagle3 (e.g. learning_rate=0.005)"
+            )
+        update[parts[0]] = value
+    return type(p05)(**(p05.model_dump() | update)) if update else p05
+
+
+def reuse(work: Path, src: Path, seeds: list[int]) -> list[str]:
+    """Copy from another work dir (``--reuse``) what this one would compute identically: a peer's training and
+    evaluation of a seed when its training spec is the same (bar its output path) and so are the evaluation
+    settings (bar the plan's ours-only fields), and the eval prompts' greedy paths (refs.pt) when the prompt
+    settings are the same. Returns what was copied."""
+
+    def spec(d: Path, name: str) -> dict | None:  # paths inside the work dir written as <work>
+        f = d / name
+        if not f.exists():
+            return None
+        return {k: v for k, v in json.loads(f.read_text().replace(str(d), "<work>")).items() if k != "out"}
+
+    def settings(d: Path) -> dict | None:
+        f = d / "eval.json"
+        if not f.exists():
+            return None
+        cfg = json.loads(f.read_text())
+        return {k: v for k, v in cfg.items() if k not in ("work", "plan")} | {
+            "run_dir": cfg["plan"]["run_dir"]
+        }
+
+    got = []
+    vmap = "vocab_map.safetensors"
+    same_map = (src / vmap).exists() and (src / vmap).read_bytes() == (work / vmap).read_bytes()
+    same_eval = settings(src) is not None and settings(src) == settings(work)
+    if same_eval and (src / "refs.pt").exists() and not (work / "refs.pt").exists():
+        shutil.copy2(src / "refs.pt", work / "refs.pt")
+        got.append("refs.pt")
+    for seed in seeds:
+        for side in SIDES[1:]:
+            name, done = f"train_{side}_{seed}.json", src / f"eval_{side}_{seed}.done"
+            same = same_map and same_eval and done.exists() and spec(src, name) == spec(work, name)
+            if not same or spec(src, name) is None:
+                continue
+            if (work / side / f"seed{seed}").exists():
+                continue
+            shutil.copytree(src / side / f"seed{seed}", work / side / f"seed{seed}")
+            shutil.copy2(done, work / done.name)
+            got.append(f"{side} seed {seed}")
+    return got
 
 
 def match_store(tr, run_dir: Path) -> str:
@@ -156,6 +216,7 @@ def setup(a, work: Path) -> dict:
         "sequences": len(seqs), "train_sequences": len(train), "store": str(store.dir),
         "kept_tokens": sum(len(s.input_ids) for s in seqs), "aux_layers": tr.config.aux_layers,
         "world": world, "bench_params": tr.p.model_dump(), "shared": shared.model_dump(),
+        "ours_set": list(a.ours_set), "peer_lr": a.peer_lr or tr.p.learning_rate,
         "store_target": tr.source.ident["target"],
     }  # fmt: skip
     target = models.resolve(shared.target)
@@ -261,12 +322,16 @@ def main(a) -> None:
     sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
     plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").exists() else setup(a, work)
-    if not set(a.seeds) <= set(plan["seeds"]) or plan["steps"] != (a.steps or plan["steps"]):
-        sys.exit(f"{work}: planned for seeds {plan['seeds']}, {plan['steps']} steps; use another --work-dir")
+    if (not set(a.seeds) <= set(plan["seeds"]) or plan["steps"] != (a.steps or plan["steps"])
+            or plan.get("ours_set", []) != list(a.ours_set)):  # fmt: skip
+        sys.exit(f"{work}: planned for seeds {plan['seeds']}, {plan['steps']} steps, ours-set "
+                 f"{plan.get('ours_set', [])}; use another --work-dir")  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))[: a.jobs] if a.jobs else sorted(os.sched_getaffinity(0))
     refs = {"name": "refs", "argv": [sys.executable, str(HERE / "quality_real.py"), "refs", str(work / "eval.json")],
             "done": str(work / "refs.pt")}  # fmt: skip
     (work / "eval.json").write_text(json.dumps(_eval_settings(a, plan, work)))
+    if a.reuse:
+        print(f"reused from {a.reuse}: {', '.join(reuse(work, Path(a.reuse), list(a.seeds))) or 'nothing'}")
     print(
         f"work dir {work}: seeds {list(a.seeds)} (plan: {plan['seeds']}) x 3 sides x {plan['steps']} steps, cores {cores}"
     )

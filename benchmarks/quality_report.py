@@ -74,8 +74,10 @@ def report(work: Path, plan: dict, total_s: float) -> str:
         f"Real run {plan['run_dir']}: {plan['steps']} steps x {plan['tokens_per_step']} tokens a step, seeds {seeds} (planned {plan['seeds']}); "
         f"{plan['sequences']} of 05's {plan['train_sequences']} training sequences have kept hidden states "
         f"({plan['kept_tokens']} tokens)",
-        f"  k={plan['k']} drafts trained and served; peak lr {plan['lr']}, warmup {plan['warmup']}; ours: 05's recipe "
-        f"({plan['optimizer']}); speculators: kl_div, Muon+AdamW, clip 1.0; SpecForge: its soft CE, AdamW, clip 0.5",
+        f"  k={plan['k']} drafts trained and served; peak lr ours {plan['lr']}, peers {plan.get('peer_lr', plan['lr'])}, "
+        f"warmup {plan['warmup']}; ours: 05's recipe ({plan['optimizer']})"
+        + (f" with {' '.join(plan['ours_set'])}" if plan.get("ours_set") else "")
+        + "; speculators: kl_div, Muon+AdamW, clip 1.0; SpecForge: its soft CE, AdamW, clip 0.5",
         f"  tau = tokens per target verify step ({refs['k']} drafts). T=0: {sum(n0.values())} prompts {n0} x "
         f"{refs['new_tokens']} new tokens, greedy. T=1: top_p {refs['top_p']}, {refs['draft_sampling']} drafts, "
         f"{sum(n1.values())} prompts {n1} x {refs['new_tokens']} tokens x {_reps(work)} sampling seeds",

@@ -3,6 +3,7 @@ measured curve with its interval over seeds, means, spreads and ratios, against 
 quality_jobs.GreedyReplay (T=0 tau without the target's verify) step for step against the real decoder."""
 
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,3 +155,58 @@ def test_greedy_replay_refuses_a_block_off_the_recorded_path(tiny_target):
 def test_marks_are_the_budget_fractions():
     assert quality_real.marks(160) == [20, 40, 80, 160]
     assert quality_real.marks(2) == [1, 2]
+
+
+def test_ours_set_overrides_05s_recipe_and_refuses_what_05_refuses():
+    from eagle_lib.drafter.recipe import Params
+    from eagle_lib.params import ParamsError
+
+    p = Params(learning_rate=0.002, max_steps=160)
+    got = quality_real.ours_recipe(p, ["learning_rate=0.005", "target_temperature=1.0"])
+    assert (got.learning_rate, got.target_temperature, got.max_steps) == (0.005, 1.0, 160)
+    assert quality_real.ours_recipe(p, []) is p
+    with pytest.raises(Exception, match="learnin_rate"):  # 05's own validation names the unknown key
+        quality_real.ours_recipe(p, ["learnin_rate=0.005"])
+    with pytest.raises(ParamsError, match="one key of 05_train_eagle3"):
+        quality_real.ours_recipe(p, ["shared.seed=1"])
+
+
+def _work(root, lr: float, vmap: bytes = b"map", t1_prompts: int = 2):
+    import json
+
+    root.mkdir()
+    (root / "vocab_map.safetensors").write_bytes(vmap)
+    (root / "eval.json").write_text(json.dumps({"work": str(root), "plan": {"run_dir": "r", "lr": lr},
+                                                "sampled_prompts": t1_prompts}))  # fmt: skip
+    (root / "refs.pt").write_bytes(b"refs")
+    for side in quality_real.SIDES:
+        spec = {"out": str(root / side / "seed0"), "vocab_map": str(root / "vocab_map.safetensors"),
+                "lr": 0.002 if side != "ours" else lr}  # fmt: skip
+        (root / f"train_{side}_0.json").write_text(json.dumps(spec))
+        (root / side / "seed0" / "step_8").mkdir(parents=True)
+        (root / side / "seed0" / "step_8" / "tau.json").write_text(side)
+        (root / f"eval_{side}_0.done").write_text("")
+    return root
+
+
+def test_reuse_copies_only_peer_jobs_whose_spec_map_and_eval_settings_are_the_same(tmp_path):
+    src = _work(tmp_path / "base", lr=0.002)
+    new = tmp_path / "variant"
+    _work(new, lr=0.005)
+    for side in quality_real.SIDES:  # the variant's jobs not run yet
+        shutil.rmtree(new / side)
+        (new / f"eval_{side}_0.done").unlink()
+    (new / "refs.pt").unlink()
+    got = quality_real.reuse(new, src, [0])
+    assert got == ["refs.pt", "speculators seed 0", "SpecForge seed 0"]  # never ours: its recipe differs
+    assert (new / "SpecForge/seed0/step_8/tau.json").read_text() == "SpecForge"
+    assert not (new / "ours").exists() and not (new / "eval_ours_0.done").exists()
+    # another draft vocab map, or other eval settings: nothing is copied
+    for kw in ({"vmap": b"other"}, {"t1_prompts": 3}):
+        other = tmp_path / f"other{len(kw)}{next(iter(kw))}"
+        _work(other, lr=0.005, **kw)
+        for side in quality_real.SIDES:
+            shutil.rmtree(other / side)
+            (other / f"eval_{side}_0.done").unlink()
+        (other / "refs.pt").unlink()
+        assert quality_real.reuse(other, src, [0]) == ([] if "vmap" not in kw else ["refs.pt"])
