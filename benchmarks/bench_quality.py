@@ -426,6 +426,9 @@ def main() -> None:
     ap.add_argument("--sf-decay", type=float, default=0.8, help="real: SpecForge's TTT decay (its default)")
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                     help="real: a variant of ours' 05 recipe (e.g. learning_rate=0.005); the peers' lr stays --peer-lr")  # fmt: skip
+    ap.add_argument("--sides", nargs="+", default=["ours", "speculators", "SpecForge"],
+                    choices=["ours", "speculators", "SpecForge"],
+                    help="real: train and evaluate only these (the table waits for the others: --reuse, a rerun)")  # fmt: skip
     ap.add_argument(
         "--reuse", default="", help="real: another work dir whose identical peer jobs are copied, not rerun"
     )

@@ -304,7 +304,7 @@ def eval_jobs(plan: dict, work: Path) -> list[dict]:
                       "sampled": m == plan["steps"]} for m in ([0] if side == "ours" else []) + plan["marks"]]  # fmt: skip
             spec = work / f"eval_{side}_{seed}.json"
             spec.write_text(json.dumps({"tasks": tasks, "check": not jobs}))
-            jobs.append({"name": f"eval_{side}_{seed}", "done": str(spec.with_suffix(".done")), "seed": seed,
+            jobs.append({"name": f"eval_{side}_{seed}", "done": str(spec.with_suffix(".done")), "seed": seed, "side": side,
                          "after": [str(out / "result.json"), str(work / "refs.pt")],
                          "argv": [sys.executable, str(HERE / "quality_real.py"), "eval", str(spec)]})  # fmt: skip
     return jobs
@@ -338,7 +338,7 @@ def main(a) -> None:
     trains, evals = train_jobs(a, work, plan), eval_jobs(plan, work)
     # seed by seed (trainings, then their evaluations once trained): a run stopped early has whole seeds;
     # --seeds may name a subset of the plan's (the others resume later in the same --work-dir)
-    order = [j for seed in a.seeds for j in trains + evals if j["seed"] == seed]
+    order = [j for seed in a.seeds for j in trains + evals if j["seed"] == seed and j["side"] in a.sides]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM)"))
     run_jobs([refs, *order], cores, work)
     from quality_report import report
