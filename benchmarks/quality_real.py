@@ -69,7 +69,6 @@ def marks(steps: int) -> list[int]:
 # --- setup (main process) -------------------------------------------------------------------------------
 def _bench_params(p05, a):
     """05's recipe at the benchmark's budget, one process, no resume / measuring / producers' thread rule."""
-    p05 = ours_recipe(p05, a.ours_set)
     steps = a.steps or p05.max_steps
     warmup = a.warmup if a.warmup is not None else max(1, round(p05.warmup_steps * steps / p05.max_steps))
     return p05.model_copy(
@@ -78,20 +77,25 @@ def _bench_params(p05, a):
     )  # fmt: skip
 
 
-def ours_recipe(p05, sets: list[str]):
-    """05's recipe with ``--ours-set KEY=VALUE`` overrides (05's keys, values read as YAML), validated as 05
-    validates its params: a variant of our side only (the peers' lr is --peer-lr's)."""
+def ours_recipe(p05, shared, sets: list[str]):
+    """(05's recipe, shared params) with ``--ours-set KEY=VALUE`` overrides, validated as the pipeline validates
+    them: 05's keys, or ``shared.serve_temperatures`` / ``shared.serve_top_p`` (the served-temperature terms of
+    ours' objective); values read as YAML. A variant of our side only (the peers' lr is --peer-lr's)."""
     from eagle_lib.params import ParamsError, parse_override
 
-    update = {}
+    update, shared_update = {}, {}
     for text in sets:
         parts, value = parse_override(text)
-        if len(parts) != 1:
-            raise ParamsError(
-                f"--ours-set {text!r}: name one key of 05_train_eagle3 (e.g. learning_rate=0.005)"
-            )
-        update[parts[0]] = value
-    return type(p05)(**(p05.model_dump() | update)) if update else p05
+        if len(parts) == 2 and parts[0] == "shared" and parts[1] in ("serve_temperatures", "serve_top_p"):
+            shared_update[parts[1]] = value
+        elif len(parts) == 1:
+            update[parts[0]] = value
+        else:
+            raise ParamsError(f"--ours-set {text!r}: name one key of 05_train_eagle3 (e.g. learning_rate=0.005) "
+                              f"or shared.serve_temperatures / shared.serve_top_p")  # fmt: skip
+    p05 = type(p05)(**(p05.model_dump() | update)) if update else p05
+    shared = type(shared)(**(shared.model_dump() | shared_update)) if shared_update else shared
+    return p05, shared
 
 
 def reuse(work: Path, src: Path, seeds: list[int]) -> list[str]:
@@ -199,6 +203,7 @@ def setup(a, work: Path) -> dict:
 
     run_dir = Path(a.run_dir)
     p05, shared, world = retrain.load_recipe(run_dir)
+    p05, shared = ours_recipe(p05, shared, a.ours_set)
     p = _bench_params(p05, a)
     tr = retrain.Trainer(p, shared, world, torch.device("cpu"))
     seqs, train, store = kept_sequences(tr, run_dir)

@@ -159,16 +159,20 @@ def test_marks_are_the_budget_fractions():
 
 def test_ours_set_overrides_05s_recipe_and_refuses_what_05_refuses():
     from eagle_lib.drafter.recipe import Params
-    from eagle_lib.params import ParamsError
+    from eagle_lib.params import ParamsError, SharedParams
 
-    p = Params(learning_rate=0.002, max_steps=160)
-    got = quality_real.ours_recipe(p, ["learning_rate=0.005", "target_temperature=1.0"])
-    assert (got.learning_rate, got.target_temperature, got.max_steps) == (0.005, 1.0, 160)
-    assert quality_real.ours_recipe(p, []) is p
+    p, sh = Params(learning_rate=0.002, max_steps=160), SharedParams(serve_temperatures=[0.0, 1.0])
+    got, got_sh = quality_real.ours_recipe(p, sh, ["learning_rate=0.005", "target_temperature=1.0"])
+    assert (got.learning_rate, got.target_temperature, got.max_steps) == (0.005, 1.0, 160) and got_sh is sh
+    assert quality_real.ours_recipe(p, sh, []) == (p, sh)
+    _, got_sh = quality_real.ours_recipe(p, sh, ["shared.serve_temperatures=[0.0]"])
+    assert got_sh.serve_temperatures == [0.0] and sh.serve_temperatures == [0.0, 1.0]
     with pytest.raises(Exception, match="learnin_rate"):  # 05's own validation names the unknown key
-        quality_real.ours_recipe(p, ["learnin_rate=0.005"])
+        quality_real.ours_recipe(p, sh, ["learnin_rate=0.005"])
+    with pytest.raises(Exception, match="serve_temperatures"):  # and the shared params' their own rule
+        quality_real.ours_recipe(p, sh, ["shared.serve_temperatures=[1.0, 1.0]"])
     with pytest.raises(ParamsError, match="one key of 05_train_eagle3"):
-        quality_real.ours_recipe(p, ["shared.seed=1"])
+        quality_real.ours_recipe(p, sh, ["shared.seed=1"])
 
 
 def _work(root, lr: float, vmap: bytes = b"map", t1_prompts: int = 2):
