@@ -228,7 +228,37 @@ def _speculators_optimizers(model, trainable, spec: dict) -> list:
 
     # its CLI's defaults (muon_lr None: --lr's), at the spec's lr
     cfg = OptimizerArgs().model_copy(update={"optimizer": "muon", "lr": spec["lr"], "muon_lr": spec["lr"]})
+    muon_float32_on_cpu()
     return build_optimizers(model, cfg)
+
+
+def muon_float32_on_cpu() -> None:
+    """torch.optim.Muon (speculators' Muon) with its Newton-Schulz iterations in float32 for CPU tensors, as our
+    side runs them (eagle_lib.drafter.optim; this side imports nothing of ours): torch's bfloat16 iterations are
+    emulated on a CPU without avx512_bf16 (37 s a speculators step on the AVX2 EPYC instead of ~9), and the
+    update differs only by bfloat16's rounding. The same quintic iteration on the wide side of G/||G||_F; on
+    CUDA torch's own. Patched where torch's single-tensor Muon looks the function up."""
+    import torch
+    from torch.optim import _muon
+
+    if getattr(_muon._zeropower_via_newtonschulz, "float32_on_cpu", False):
+        return
+    torch_ns = _muon._zeropower_via_newtonschulz
+
+    def ns(grad, ns_coefficients, ns_steps, eps):
+        if grad.device.type != "cpu":
+            return torch_ns(grad, ns_coefficients, ns_steps, eps)
+        a, b, c = ns_coefficients
+        tall = grad.size(0) > grad.size(1)
+        x = grad.float().T if tall else grad.float()
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+
+    ns.float32_on_cpu = True
+    _muon._zeropower_via_newtonschulz = ns
 
 
 # --- our side and the comparison (runs in .venv) ---------------------------------------------------------------

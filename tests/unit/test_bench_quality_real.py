@@ -214,3 +214,30 @@ def test_reuse_copies_only_peer_jobs_whose_spec_map_and_eval_settings_are_the_sa
             (other / f"eval_{side}_0.done").unlink()
         (other / "refs.pt").unlink()
         assert quality_real.reuse(other, src, [0]) == ([] if "vmap" not in kw else ["refs.pt"])
+
+
+def test_speculators_muon_runs_its_newton_schulz_in_float32_on_cpu_with_torchs_update():
+    import bench_quality
+    from torch.optim import _muon
+
+    torch_ns = _muon._zeropower_via_newtonschulz
+    try:
+        bench_quality.muon_float32_on_cpu()
+        bench_quality.muon_float32_on_cpu()  # idempotent: wraps torch's once
+        patched = _muon._zeropower_via_newtonschulz
+        assert patched is not torch_ns and getattr(patched, "float32_on_cpu", False)
+        g = torch.Generator().manual_seed(0)
+        for shape in ((48, 80), (80, 48)):
+            grad = torch.randn(*shape, generator=g)
+            ours, theirs = (
+                patched(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7),
+                torch_ns(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7),
+            )
+            assert ours.dtype == torch.float32 and ours.shape == grad.shape
+            # torch's bfloat16 result up to bfloat16's rounding
+            assert (ours - theirs.float()).norm() / theirs.float().norm() < 0.02
+            # and what the iteration is for: singular values pulled from G's spread into roughly (0.5, 1.5)
+            sv, sv_g = torch.linalg.svdvals(ours), torch.linalg.svdvals(grad)
+            assert sv_g.max() / sv_g.min() > 5 and 0.3 < sv.min() and sv.max() < 1.3
+    finally:
+        _muon._zeropower_via_newtonschulz = torch_ns
