@@ -37,6 +37,11 @@ matched the real decoder (`specdec.TargetRunner`) for one drafter. T=1 runs the 
     .venv/bin/python benchmarks/bench_quality.py --params params/smollm2.yaml --run-dir outputs/smollm2 \\
         --seeds 0 1 2 [--steps 160] [--work-dir DIR]
 
+Variants: ``--ours-set KEY=VALUE`` changes our side's 05 recipe (or its served temperatures) and records it in
+the plan; the peers' peak lr is ``--peer-lr`` (default: ours'). ``--sides`` trains and evaluates only some sides,
+``--reuse DIR`` copies from another work dir the peer jobs and eval paths this one would compute identically
+(same training spec, vocab map and eval settings), so a variant of ours costs only ours' jobs.
+
 The work runs as jobs (target greedy paths, one training per side and seed, evaluation shards), at most one per
 core (``taskset``, one thread each); a job whose result is in --work-dir is not run again (a rerun resumes, and
 ``--seeds`` may then name a subset of the planned seeds). ``quality_real.py report <work dir>`` prints the table of
