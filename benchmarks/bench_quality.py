@@ -235,7 +235,7 @@ def _speculators_optimizers(model, trainable, spec: dict) -> list:
 def muon_float32_on_cpu() -> None:
     """torch.optim.Muon (speculators' Muon) with its Newton-Schulz iterations in float32 for CPU tensors, as our
     side runs them (eagle_lib.drafter.optim; this side imports nothing of ours): torch's bfloat16 iterations are
-    emulated on a CPU without avx512_bf16 (37 s a speculators step on the AVX2 EPYC instead of ~9), and the
+    emulated on a CPU without avx512_bf16 (37 s a speculators step on the AVX2 EPYC instead of 8), and the
     update differs only by bfloat16's rounding. The same quintic iteration on the wide side of G/||G||_F; on
     CUDA torch's own. Patched where torch's single-tensor Muon looks the function up."""
     import torch
@@ -455,7 +455,7 @@ def main() -> None:
     ap.add_argument("--peer-lr", type=float, default=0.0, help="real: the peers' peak lr (0: ours, 05's)")
     ap.add_argument("--sf-decay", type=float, default=0.8, help="real: SpecForge's TTT decay (its default)")
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="real: a variant of ours' 05 recipe (e.g. learning_rate=0.005); the peers' lr stays --peer-lr")  # fmt: skip
+                    help="real: a variant of ours' 05 recipe (e.g. learning_rate=0.005); the peers' lr is --peer-lr (0: ours')")  # fmt: skip
     ap.add_argument("--sides", nargs="+", default=["ours", "speculators", "SpecForge"],
                     choices=["ours", "speculators", "SpecForge"],
                     help="real: train and evaluate only these (the table waits for the others: --reuse, a rerun)")  # fmt: skip

@@ -38,7 +38,8 @@ matched the real decoder (`specdec.TargetRunner`) for one drafter. T=1 runs the 
         --seeds 0 1 2 [--steps 160] [--work-dir DIR]
 
 Variants: ``--ours-set KEY=VALUE`` changes our side's 05 recipe (or its served temperatures) and records it in
-the plan; the peers' peak lr is ``--peer-lr`` (default: ours'). ``--sides`` trains and evaluates only some sides,
+the plan; the peers' peak lr is ``--peer-lr`` (default: ours', so an ``--ours-set learning_rate=...`` moves
+the peers' too unless --peer-lr names theirs). ``--sides`` trains and evaluates only some sides,
 ``--reuse DIR`` copies from another work dir the peer jobs and eval paths this one would compute identically
 (same training spec, vocab map and eval settings), so a variant of ours costs only ours' jobs.
 
@@ -134,8 +135,10 @@ def reuse(work: Path, src: Path, seeds: list[int]) -> list[str]:
     for seed in seeds:
         for side in SIDES[1:]:
             name, done = f"train_{side}_{seed}.json", src / f"eval_{side}_{seed}.done"
-            same = same_map and same_eval and done.exists() and spec(src, name) == spec(work, name)
-            if not same or spec(src, name) is None:
+            theirs = spec(src, name)
+            if not (
+                same_map and same_eval and done.exists() and theirs is not None and theirs == spec(work, name)
+            ):
                 continue
             if (work / side / f"seed{seed}").exists():
                 continue
@@ -333,9 +336,10 @@ def main(a) -> None:
     t0 = time.perf_counter()
     plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").exists() else setup(a, work)
     if (not set(a.seeds) <= set(plan["seeds"]) or plan["steps"] != (a.steps or plan["steps"])
-            or plan.get("ours_set", []) != list(a.ours_set)):  # fmt: skip
+            or plan.get("ours_set", []) != list(a.ours_set)
+            or (a.peer_lr and a.peer_lr != plan.get("peer_lr", plan["lr"]))):  # fmt: skip
         sys.exit(f"{work}: planned for seeds {plan['seeds']}, {plan['steps']} steps, ours-set "
-                 f"{plan.get('ours_set', [])}; use another --work-dir")  # fmt: skip
+                 f"{plan.get('ours_set', [])}, peer lr {plan.get('peer_lr', plan['lr'])}; use another --work-dir")  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))[: a.jobs] if a.jobs else sorted(os.sched_getaffinity(0))
     refs = {"name": "refs", "argv": [sys.executable, str(HERE / "quality_real.py"), "refs", str(work / "eval.json")],
             "done": str(work / "refs.pt")}  # fmt: skip
