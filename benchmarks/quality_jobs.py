@@ -287,7 +287,7 @@ def job_report(work: str) -> None:
     """The table from whatever seeds are complete in a work dir (a run stopped early)."""
     from quality_report import report
 
-    print(report(Path(work), _plan(Path(work) / "plan.json"), float("nan")))
+    print(report(Path(work), _plan(Path(work) / "plan.json"), None))
 
 
 def main(argv: list[str]) -> None:

@@ -59,7 +59,7 @@ def _cell(xs: list[float]) -> str:
     return f"{s['mean']:.3f} ± {s['sd']:.3f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
-def report(work: Path, plan: dict, total_s: float) -> str:
+def report(work: Path, plan: dict, total_s: float | None) -> str:
     c = collect(work, plan)
     res, refs, seeds, final = c["res"], c["refs"], c["seeds"], plan["steps"]
     if not seeds:
@@ -111,9 +111,10 @@ def report(work: Path, plan: dict, total_s: float) -> str:
     lines += _steps(res, plan, seeds, out)
     lines.append("\nTraining seconds (steps only, one core each; seed mean): " + ", ".join(
         f"{side} {sum(t['train_s'] for t in train[side]) / len(seeds):.0f}" for side in SIDES))  # fmt: skip
-    lines.append(
-        f"Wall: {total_s / 60:.1f} min for this invocation (jobs found done in the work dir are not rerun)"
-    )
+    if total_s is not None:  # None: the table alone (`quality_real.py report`), no invocation to time
+        lines.append(
+            f"Wall: {total_s / 60:.1f} min for this invocation (jobs found done in the work dir are not rerun)"
+        )
     lines.append(json.dumps(out))
     text = "\n".join(lines)
     return text

@@ -2,6 +2,7 @@
 measured curve with its interval over seeds, means, spreads and ratios, against hand-computed references; and
 quality_jobs.GreedyReplay (T=0 tau without the target's verify) step for step against the real decoder."""
 
+import json
 import random
 import shutil
 import sys
@@ -241,3 +242,45 @@ def test_speculators_muon_runs_its_newton_schulz_in_float32_on_cpu_with_torchs_u
             assert sv_g.max() / sv_g.min() > 5 and 0.3 < sv.min() and sv.max() < 1.3
     finally:
         _muon._zeropower_via_newtonschulz = torch_ns
+
+
+def _fake_work(work: Path) -> dict:
+    """A work dir with one seed done on every side: 2 prompts (mt_bench, heldout) at T=0 and T=1, marks [2, 4]."""
+    plan = {"seeds": [0], "steps": 4, "marks": [2, 4], "run_dir": "outputs/x", "tokens_per_step": 64, "sequences": 3,
+            "train_sequences": 5, "kept_tokens": 99, "k": 3, "lr": 0.01, "warmup": 1, "optimizer": "muon",
+            "store": "outputs/x/kept"}  # fmt: skip
+    t0 = [{"id": "a", "group": "mt_bench"}, {"id": "b", "group": "heldout"}]
+    refs = {"t0": t0, "t1": t0, "k": 3, "new_tokens": 4, "top_p": 0.95,
+            "draft_sampling": "probabilistic"}  # fmt: skip
+    torch.save(refs, work / "refs.pt")
+    (work / "eval.json").write_text(json.dumps({"reps": 1}))
+    for i, side in enumerate(("ours", "speculators", "SpecForge")):
+        seed = work / side / "seed0"
+        for m in [0, 2, 4] if side == "ours" else [2, 4]:
+            # mt_bench: steps accepting [1, 0] -> tau (2 + 1) / 2 = 1.5 at step 4 (ours); lower earlier and for peers
+            acc = [1, 0] if (side == "ours" and m == 4) else [0, 0]
+            num = sum(a + 1 for a in acc)
+            rows = {
+                "a": {"num": num, "den": 2, "accepted": acc},
+                "b": {"num": 2, "den": 2, "accepted": [0, 0]},
+            }
+            (seed / f"step_{m}").mkdir(parents=True)
+            (seed / f"step_{m}" / "tau.json").write_text(json.dumps({"t0": rows, "t1": rows}))
+        (seed / "result.json").write_text(json.dumps({"train_s": 10.0 * (i + 1)}))
+    return plan
+
+
+def test_report_states_the_wall_time_only_for_an_invocation_that_ran(tmp_path):
+    """`quality_real.py report DIR` prints the table alone (it printed "Wall: nan min"); the bench's own run states
+    its wall time; the table's tau is the pooled (sum num / sum den) one, computed here by hand."""
+    import quality_report
+
+    plan = _fake_work(tmp_path)
+    alone = quality_report.report(tmp_path, plan, None)
+    assert "nan" not in alone and "Wall" not in alone
+    ran = quality_report.report(tmp_path, plan, 90.0)
+    assert "Wall: 1.5 min for this invocation" in ran
+    out = json.loads(alone.splitlines()[-1])
+    assert out["tau"]["ours"]["t0"]["MT-Bench+HumanEval"]["mean"] == pytest.approx(3 / 2)  # (2 + 1) / 2 steps
+    assert out["tau"]["ours"]["t0"]["all"]["mean"] == pytest.approx((3 + 2) / 4)
+    assert out["tau"]["speculators"]["t0"]["MT-Bench+HumanEval"]["mean"] == pytest.approx(1.0)
