@@ -380,7 +380,7 @@ def run(cfg: params.StageConfig) -> Eval:
     """The whole stage: prompts, exports + preflight, offline decoding, online check, files."""
     from eagle_lib import models
     from eagle_lib.drafter.model import load_drafter
-    from eagle_lib.serving import online
+    from eagle_lib.serving import online, verdict
     from eagle_lib.serving import tables as tbl
 
     cfg = dataclasses.replace(cfg, stage=cfg.stage.served(cfg.shared))  # what 05 trained for, unless set here
@@ -428,7 +428,7 @@ def run(cfg: params.StageConfig) -> Eval:
         raw, live, speed = _online(
             p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos
         )
-        on = online.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
+        on = verdict.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
         on.to_csv(out / "online.csv", index=False)
         online.context_table(raw, p.online_engine).to_csv(out / "online_context.csv", index=False)
         pd.DataFrame(speed).to_csv(out / "served_speed.csv", index=False)

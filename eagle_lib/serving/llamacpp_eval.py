@@ -41,7 +41,7 @@ from eagle_lib.data.evalsets import Prompt
 from eagle_lib.engines import machine
 from eagle_lib.serving import llamacpp
 from eagle_lib.serving import llamacpp_server as ls
-from eagle_lib.serving.online import same_output
+from eagle_lib.serving.verdict import same_output
 
 STAGE = "06_eval_acceptance"
 CAUSES = {

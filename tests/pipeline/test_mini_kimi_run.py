@@ -298,7 +298,7 @@ def test_06_greedy_answers_through_vllm_with_the_drafter_equal_transformers(mini
     import torch
 
     from eagle_lib import acceptance, models, params
-    from eagle_lib.serving import online
+    from eagle_lib.serving import verdict
 
     run = params.load_params(MINI)
     p = run.stage("06_eval_acceptance")
@@ -318,6 +318,6 @@ def test_06_greedy_answers_through_vllm_with_the_drafter_equal_transformers(mini
                                     max_new_tokens=p.eval_max_new_tokens, pad_token_id=163839)  # fmt: skip
             ref = g[0, x.shape[1] :].tolist()
             ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
-            assert online.same_output(served[ds]["outputs"][pr.id], ref, set(eos)), (ds, pr.id)
+            assert verdict.same_output(served[ds]["outputs"][pr.id], ref, set(eos)), (ds, pr.id)
             n += 1
     assert n >= 10

@@ -157,6 +157,6 @@ def test_llamacpp_tau_agrees_with_the_offline_decoder(world, served):
 
 
 def specdec_equal(server: list[int], ref: list[int], eos: list[int]) -> bool:
-    from eagle_lib.serving.online import same_output
+    from eagle_lib.serving.verdict import same_output
 
     return same_output(server, ref, set(eos))

@@ -9,8 +9,8 @@ import torch
 
 from eagle_lib import acceptance, params, store
 from eagle_lib.data import evalsets
-from eagle_lib.serving import online
 from eagle_lib.serving import tables as tbl
+from eagle_lib.serving import verdict
 
 torch.set_num_threads(1)
 
@@ -168,12 +168,12 @@ def test_compare_online_flags_a_collapsed_server():
             "z": {"tau": 2.5, "drafts": 2, "accepted": 3, "outputs": {"z0": [1, 2, 3, 9, 4]}},
         }
     }
-    on = online.compare(raw, tau, gens, "vllm", 0.2, eos_ids=[9]).set_index("dataset")
+    on = verdict.compare(raw, tau, gens, "vllm", 0.2, eos_ids=[9]).set_index("dataset")
     assert on.loc["x", "verdict"] == "agree" and on.loc["y", "verdict"] == "collapsed"
     assert any("EAGLE3" in c for c in on.loc["y", "causes"])
     assert on.loc["all", "online_tau"] == pytest.approx(1 + 6 / 12) and on.loc["all", "verdict"] == "lower"
     assert on.loc["x", "greedy_equal"] == 1.0 and on.loc["z", "greedy_equal"] == 0.0
-    on = online.compare(raw, tau, gens, "vllm", 0.2, eos_ids=[5]).set_index("dataset")  # 9 is not a stop id
+    on = verdict.compare(raw, tau, gens, "vllm", 0.2, eos_ids=[5]).set_index("dataset")  # 9 is not a stop id
     assert on.loc["x", "greedy_equal"] == 0.0
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_lib.drafter import export
-from eagle_lib.serving import commands, live, online, preflight
+from eagle_lib.serving import commands, live, preflight, verdict
 from tests.support import models as tiny
 
 V = tiny.EXPORT_VOCAB
@@ -230,11 +230,11 @@ def test_cli_exit_codes(exports, tmp_path, capsys):
 
 
 def test_diagnose_collapse_lists_causes():
-    d = online.diagnose(2.1, 1.02)
+    d = verdict.diagnose(2.1, 1.02)
     assert d["verdict"] == "collapsed" and any("EAGLE3" in c for c in d["causes"])
-    assert online.diagnose(2.1, 2.05, 0.2)["verdict"] == "agree"
-    assert online.diagnose(2.1, 1.6, 0.2)["verdict"] == "lower"
-    assert online.diagnose(None, 1.0)["verdict"] == "collapsed"
+    assert verdict.diagnose(2.1, 2.05, 0.2)["verdict"] == "agree"
+    assert verdict.diagnose(2.1, 1.6, 0.2)["verdict"] == "lower"
+    assert verdict.diagnose(None, 1.0)["verdict"] == "collapsed"
 
 
 # --- live preflight: the running server's own account (local stand-ins in the engines' documented shapes) -----

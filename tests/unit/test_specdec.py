@@ -26,7 +26,7 @@ from eagle_lib.decoding.specdec import (
     speculative_generate,
 )
 from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target
-from eagle_lib.serving import online, tables
+from eagle_lib.serving import online, tables, verdict
 from eagle_lib.serving import tables as tables_mod
 from tests.support import models as tiny
 
@@ -657,7 +657,7 @@ def test_online_retries_transient_faults_and_keeps_partial_results(server, engin
     assert sorted(raw["x"]["outputs"]) == ["x0", "x2"] and raw["y"]["failed"] == []
     assert [f["id"] for f in raw["x"]["failed"]] == ["x1"] and "HTTP 500" in raw["x"]["failed"][0]["error"]
     assert raw["x"]["tau"] > 1  # from the answered ones
-    table = online.compare({0.0: raw}, pd.DataFrame(), [], engine, 0.2, [])
+    table = verdict.compare({0.0: raw}, pd.DataFrame(), [], engine, 0.2, [])
     assert table.set_index("dataset").loc["x", "failed_requests"] == 1
     StandIn.fail = {0: [401]}
     with pytest.raises(client.ServerError, match="401"):
