@@ -263,46 +263,6 @@ def decode_offline(
     return gens
 
 
-# --- online -------------------------------------------------------------------------------------------
-def _online(p: Params, shared, exports: dict[str, Path], prompts: dict[str, list[Prompt]], out: Path, max_pos: int,
-            eos: list[int]):  # fmt: skip
-    """({temperature: raw online results per dataset}, live checks): a given server, or a local vLLM CPU server
-    on the export; requests stop at `eos`, the ids offline decoding stops at."""
-    from eagle_lib import models
-    from eagle_lib.serving import live, online
-
-    if p.online_format not in exports:
-        raise ValueError(
-            f"06 online_format {p.online_format!r}: the drafter has no such export (it has {sorted(exports)}; an MLA "
-            "draft layer has the sglang layout only, which vLLM serves as Eagle3DeepseekV2ForCausalLM)"
-        )
-    url = p.online_url.rstrip("/")
-    if p.online_engine == "sglang" or url:
-        raw = online.measure(p, shared.seed, url, p.online_model, prompts, eos)
-        return raw, live.live_checks(p, url, exports[p.online_format], raw), []
-    from eagle_lib.engines.vllm_server import start_vllm
-    from eagle_lib.serving import commands
-
-    spec = commands.vllm_spec(str(exports[p.online_format]), p.num_steps, p.draft_sampling)
-    max_len = min(max_pos, p.max_prompt_tokens + p.eval_max_new_tokens + 2 * p.num_steps + 8)
-    kw = dict(tokenizer=models.resolve(shared.tokenizer_path), max_model_len=max_len, log_dir=out / "vllm")
-    with start_vllm(
-        models.resolve(shared.target),
-        extra_args=["--speculative-config", json.dumps(spec)],
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # exposes /server_info: the live preflight reads its spec config
-        **kw,
-    ) as srv:
-        raw = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos)
-        checks = live.live_checks(p, srv.base_url, exports[p.online_format], raw)
-    if p.online_speed:  # the same requests on the same target without the drafter, one server at a time
-        with start_vllm(models.resolve(shared.target), **kw) as srv:
-            plain = online.measure(p, shared.seed, srv.base_url, srv.model, prompts, eos, spec=False)
-        from eagle_lib.serving import tables
-
-        return raw, checks, tables.served_speed(raw, plain)
-    return raw, checks, []
-
-
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:
     """Stage 05's exports when complete, else export the drafter (load()) into eval/export/ (every format it
     has: `export.formats_for`)."""
@@ -380,7 +340,7 @@ def run(cfg: params.StageConfig) -> Eval:
     """The whole stage: prompts, exports + preflight, offline decoding, online check, files."""
     from eagle_lib import models
     from eagle_lib.drafter.model import load_drafter
-    from eagle_lib.serving import online, verdict
+    from eagle_lib.serving import local, online, verdict
     from eagle_lib.serving import tables as tbl
 
     cfg = dataclasses.replace(cfg, stage=cfg.stage.served(cfg.shared))  # what 05 trained for, unless set here
@@ -425,7 +385,7 @@ def run(cfg: params.StageConfig) -> Eval:
     on, live, speed = None, [], []
     if p.online_engine != "none":
         sub = {ds: ps[: p.online_max_prompts] for ds, ps in prompts.items()}
-        raw, live, speed = _online(
+        raw, live, speed = local.serve_and_measure(
             p, shared, exports, sub, out, int(tcfg.get("max_position_embeddings", 4096)), eos
         )
         on = verdict.compare(raw, tau, gens, p.online_engine, p.online_tolerance, eos)
