@@ -112,6 +112,7 @@ def drafter_params(hf_config, p05) -> dict[str, int]:
 
     with torch.device("meta"):
         d = Eagle3Drafter(recipe.drafter_config(hf_config, p05))
+    d.lm_head.weight.requires_grad_(not p05.freeze_lm_head)
     trainable = sum(t.numel() for t in d.parameters() if t.requires_grad)
     frozen = sum(t.numel() for t in d.parameters() if not t.requires_grad)
     return {"trainable": trainable, "frozen": frozen}
@@ -136,18 +137,21 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
         cfg.hidden_size,
         cfg.intermediate_size,
     )
+    embed = counts["frozen"] - (vd * h if p05.freeze_lm_head else 0)
     head_dtype = str(
         getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
     )
     head_bytes = {"bfloat16": 2, "float16": 2}.get(head_dtype.removeprefix("torch."), FP32)
     mem = {
         "trainable (fp32 master + grads + AdamW)": counts["trainable"] * FP32 * (2 + ADAM_STATES) // shard,
-        "frozen embedding (bf16 under bf16 precision, else fp32)": counts["frozen"] * (2 if bf16 else FP32) // shard,
+        "frozen embedding (bf16 under bf16 precision, else fp32)": embed * (2 if bf16 else FP32) // shard,
         "target final norm + lm_head (checkpoint dtype, whole)": (v * h + h) * head_bytes,
         "activations, one micro-batch (formula)": activation_bytes(
             t, v, vd, h, i, cfg.num_attention_heads, k, p05.attention, p05.loss_chunk, recompute=p05.checkpoint_steps
         ),
     }  # fmt: skip
+    if p05.freeze_lm_head:  # fp32 weights, no grads or optimizer state (frozen_in_bf16 casts only the embedding)
+        mem["frozen draft lm_head (fp32 weights only)"] = vd * h * FP32 // shard
     mem["total"] = sum(mem.values())
     return mem, counts
 

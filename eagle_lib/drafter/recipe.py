@@ -125,6 +125,7 @@ class Params(params.Strict):
     max_train_samples: int = 0  # cap on training sequences; 0 means all
     max_eval_samples: int = 64  # held-out sequences for the final acc table; 0 means all
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocab
+    freeze_lm_head: bool = False  # keep lm_head at those rows (speculators' way): train fc, the layer and norms
     attention: Literal["auto", "eager", "sdpa", "chunked"] = (
         "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | chunked
         # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
@@ -198,6 +199,13 @@ class Params(params.Strict):
         return self
 
     @model_validator(mode="after")
+    def _frozen_head(self):
+        if self.freeze_lm_head and not self.init_lm_head_from_target:
+            raise ValueError("freeze_lm_head keeps the target's lm_head rows: it needs init_lm_head_from_target "
+                             "(a frozen random lm_head would never learn the vocabulary)")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _epochs_or_steps(self):
         # the Kimi params said epochs: 2 while the default max_steps (80) silently decided: found on the mini run
         if "epochs" in self.model_fields_set and self.max_steps and "max_steps" not in self.model_fields_set:
@@ -264,7 +272,8 @@ def drafter_config(hf_config, p: Params):
 
 def new_drafter(config, d2t, t2d, p: Params, seed: int, embed, lm_head):
     """A drafter initialised as 05 does: ``torch.manual_seed(seed)``, the vocab map, then the target's
-    embedding and (with init_lm_head_from_target) its lm_head rows of the draft vocab."""
+    embedding and (with init_lm_head_from_target) its lm_head rows of the draft vocab, frozen under
+    freeze_lm_head."""
     import torch
 
     from eagle_lib.drafter.model import Eagle3Drafter, init_from_target
@@ -274,6 +283,12 @@ def new_drafter(config, d2t, t2d, p: Params, seed: int, embed, lm_head):
     drafter.set_vocab_map(d2t, t2d)
     head = lm_head.detach().float().cpu() if p.init_lm_head_from_target else None
     init_from_target(drafter, embed.detach().float().cpu(), head)
+    if p.freeze_lm_head:
+        if head is None or head.shape[1] != config.hidden_size:
+            width = "no target lm_head" if head is None else f"the target lm_head's width {head.shape[1]}"
+            raise ValueError(f"freeze_lm_head: {width} cannot start the drafter's lm_head (hidden "
+                             f"{config.hidden_size}); set freeze_lm_head: false")  # fmt: skip
+        drafter.lm_head.weight.requires_grad_(False)
     return drafter
 
 

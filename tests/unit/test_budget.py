@@ -47,6 +47,18 @@ def test_kimi_drafter_size_and_bytes_per_rank_by_hand(kimi_run):
     assert mem["total"] < 141e9 * 0.9  # an H200 (141 GB) per rank, with a tenth to spare
 
 
+def test_a_frozen_draft_lm_head_leaves_the_optimizer_and_keeps_its_fp32_weights(kimi_run):
+    p05 = kimi_run.stage("05_train_eagle3").model_copy(update={"freeze_lm_head": True})
+    h, vd, v = 7168, 32000, 163840
+    base, base_counts = budget.memory_per_rank(KIMI, kimi_run.stage("05_train_eagle3"))
+    mem, counts = budget.memory_per_rank(KIMI, p05)
+    assert counts == {"trainable": base_counts["trainable"] - vd * h, "frozen": v * h + vd * h}
+    assert mem["frozen draft lm_head (fp32 weights only)"] == vd * h * 4 // 8  # fp32, sharded over 8 ranks
+    assert mem["frozen embedding (bf16 under bf16 precision, else fp32)"] == v * h * 2 // 8
+    # fp32 master + grads + 2 AdamW states = 16 bytes a weight leave; 4 stay
+    assert base["total"] - mem["total"] == vd * h * (16 - 4) // 8
+
+
 def test_kimi_hidden_bytes_and_the_buffer_split_across_ranks(kimi_run):
     hb = budget.hidden_bytes(KIMI, kimi_run.stage("05_train_eagle3"), 228_000_000)
     assert hb["bytes_per_token"] == 4 * 7168 * 2 == 57_344  # ids 2, 30, 58, 61 in bf16: "~57 KB/token"

@@ -71,3 +71,42 @@ def test_the_kimi_params_train_by_their_epochs_not_the_default_step_count():
         recipe.Params(epochs=2)
     assert batches.total_steps(recipe.Params(epochs=2, max_steps=0), 100, 1) == 200
     assert recipe.Params(epochs=3, max_steps=5).max_steps == 5  # both set: the steps, as asked
+
+
+def _tiny_drafter(freeze: bool):
+    from eagle_lib.drafter.model import Eagle3Config
+
+    c = Eagle3Config(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=8, vocab_size=50, draft_vocab_size=20, target_hidden_size=16, aux_layers=[1, 2, 3])  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    embed, head = torch.randn(50, 16, generator=g), torch.randn(50, 16, generator=g)
+    d2t = torch.arange(0, 40, 2)[:20] - torch.arange(20)  # draft id i -> target id 2i
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[torch.arange(0, 40, 2)] = True
+    p = recipe.Params(freeze_lm_head=freeze)
+    return recipe.new_drafter(c, d2t, t2d, p, 0, embed, head), head
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_frozen_lm_head_stays_the_targets_rows_while_the_layer_trains(freeze):
+    from eagle_lib.drafter import optim
+
+    d, head = _tiny_drafter(freeze)
+    rows = head[torch.arange(0, 40, 2)]  # the target's rows of the draft vocab, by the map written above
+    assert torch.equal(d.lm_head.weight.detach(), rows)
+    fc0 = d.fc.weight.detach().clone()
+    opts = optim.build(d.named_parameters(), "muon", 1e-2, [0.9, 0.95], 0.0)
+    for _ in range(3):
+        ids = torch.randint(0, 50, (1, 6))
+        out, logits = d(ids, d.project(torch.randn(1, 6, 48)), torch.arange(6)[None])
+        torch.nn.functional.cross_entropy(logits[0], torch.randint(0, 20, (6,))).backward()
+        optim.step(opts)
+        optim.zero_grad(opts)
+    assert not torch.equal(d.fc.weight.detach(), fc0)
+    assert torch.equal(d.lm_head.weight.detach(), rows) == freeze
+    assert d.lm_head.weight.requires_grad is not freeze
+
+
+def test_a_frozen_lm_head_needs_the_targets_rows():
+    with pytest.raises(ValueError, match="init_lm_head_from_target"):
+        recipe.Params(freeze_lm_head=True, init_lm_head_from_target=False)
