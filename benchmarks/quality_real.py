@@ -347,7 +347,8 @@ def main(a) -> None:
     if a.reuse:
         print(f"reused from {a.reuse}: {', '.join(reuse(work, Path(a.reuse), list(a.seeds))) or 'nothing'}")
     print(
-        f"work dir {work}: seeds {list(a.seeds)} (plan: {plan['seeds']}) x 3 sides x {plan['steps']} steps, cores {cores}"
+        f"work dir {work}: seeds {list(a.seeds)} (plan: {plan['seeds']}) x sides {' '.join(a.sides)} x {plan['steps']} "
+        f"steps, cores {cores}"
     )
     trains, evals = train_jobs(a, work, plan), eval_jobs(plan, work)
     # seed by seed (trainings, then their evaluations once trained): a run stopped early has whole seeds;
