@@ -125,7 +125,9 @@ class Params(params.Strict):
     max_train_samples: int = 0  # cap on training sequences; 0 means all
     max_eval_samples: int = 64  # held-out sequences for the final acc table; 0 means all
     init_lm_head_from_target: bool = True  # start lm_head from the target's rows of the draft vocab
-    freeze_lm_head: bool = False  # keep lm_head at those rows (speculators' way): train fc, the layer and norms
+    freeze_lm_head: bool = (
+        False  # keep lm_head at those rows (speculators' way): train fc, the layer and norms
+    )
     attention: Literal["auto", "eager", "sdpa", "chunked"] = (
         "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | chunked
         # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
