@@ -150,9 +150,8 @@ def memory_per_rank(hf_config, p05) -> tuple[dict[str, int], dict[str, int]]:
             t, v, vd, h, i, cfg.num_attention_heads, k, p05.attention, p05.loss_chunk, recompute=p05.checkpoint_steps
         ),
     }  # fmt: skip
-    if (
-        p05.freeze_lm_head
-    ):  # fp32 weights, no grads or optimizer state (frozen_in_bf16 casts only the embedding)
+    # a frozen draft lm_head: fp32 weights, no grads or optimizer state (frozen_in_bf16 casts only the embedding)
+    if p05.freeze_lm_head:
         mem["frozen draft lm_head (fp32 weights only)"] = vd * h * FP32 // shard
     mem["total"] = sum(mem.values())
     return mem, counts
