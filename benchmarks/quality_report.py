@@ -12,6 +12,7 @@ import quality_stats as qs
 
 SIDES = ("ours", "speculators", "SpecForge")
 MAIN = "MT-Bench+HumanEval"
+RECIPES = {"speculators": "kl_div, Muon+AdamW, clip 1.0", "SpecForge": "its soft CE, AdamW, clip 0.5"}
 
 
 def _tau(per_prompt: dict, groups: dict[str, str], want) -> float:
@@ -34,16 +35,22 @@ def _acc(per_prompt: dict, k: int) -> list[float]:
 
 
 def collect(work: Path, plan: dict) -> dict:
-    """{side: {seed: {step: {"t0": taus, "acc": [...], "t1": taus?}}}} and the groups of each prompt."""
+    """{side: {seed: {step: {"t0": taus, "acc": [...], "t1": taus?}}}} and the groups of each prompt, over the
+    seeds ours finished; a peer is in it only where it finished every one of them (a ``--sides ours`` variant's
+    work dir reports ours alone)."""
     import torch
 
     refs = torch.load(work / "refs.pt", weights_only=False)
     g0 = {p["id"]: p["group"] for p in refs["t0"]}
     g1 = {p["id"]: p["group"] for p in refs["t1"]}
     res: dict = {}
-    done = [s for s in plan["seeds"] if all((work / side / f"seed{s}" / f"step_{plan['steps']}" / "tau.json").exists()
-                                            for side in SIDES)]  # fmt: skip
-    for side in SIDES:
+
+    def finished(side: str, s: int) -> bool:
+        return (work / side / f"seed{s}" / f"step_{plan['steps']}" / "tau.json").exists()
+
+    done = [s for s in plan["seeds"] if finished("ours", s)]
+    sides = [side for side in SIDES if done and all(finished(side, s) for s in done)]
+    for side in sides:
         for seed in done:
             for m in ([0] if side == "ours" else []) + plan["marks"]:
                 r = json.loads((work / side / f"seed{seed}" / f"step_{m}" / "tau.json").read_text())
@@ -51,7 +58,13 @@ def collect(work: Path, plan: dict) -> dict:
                 if "t1" in r:
                     row["t1"] = _taus(r["t1"], g1)
                 res.setdefault(side, {}).setdefault(seed, {})[m] = row
-    return {"res": res, "refs": refs, "groups": list(dict.fromkeys(g0.values())), "seeds": done}
+    return {
+        "res": res,
+        "refs": refs,
+        "groups": list(dict.fromkeys(g0.values())),
+        "seeds": done,
+        "sides": sides,
+    }
 
 
 def _cell(xs: list[float]) -> str:
@@ -61,23 +74,23 @@ def _cell(xs: list[float]) -> str:
 
 def report(work: Path, plan: dict, total_s: float | None) -> str:
     c = collect(work, plan)
-    res, refs, seeds, final = c["res"], c["refs"], c["seeds"], plan["steps"]
+    res, refs, seeds, final, sides = c["res"], c["refs"], c["seeds"], plan["steps"], c["sides"]
     if not seeds:
-        return f"{work}: no seed has every side's tau yet"
+        return f"{work}: no seed has our side's tau yet"
     cols = [*c["groups"], MAIN, "all"]
     lines = []
     train = {side: [json.loads((work / side / f"seed{s}" / "result.json").read_text()) for s in seeds]
-             for side in SIDES}  # fmt: skip
+             for side in sides}  # fmt: skip
     n0 = {g: sum(p["group"] == g for p in refs["t0"]) for g in c["groups"]}
     n1 = {g: sum(p["group"] == g for p in refs["t1"]) for g in c["groups"]}
     lines += [
         f"Real run {plan['run_dir']}: {plan['steps']} steps x {plan['tokens_per_step']} tokens a step, seeds {seeds} (planned {plan['seeds']}); "
-        f"{plan['sequences']} of 05's {plan['train_sequences']} training sequences have kept hidden states "
+        f"sides {', '.join(sides)}; {plan['sequences']} of 05's {plan['train_sequences']} training sequences have kept hidden states "
         f"({plan['kept_tokens']} tokens)",
         f"  k={plan['k']} drafts trained and served; peak lr ours {plan['lr']}, peers {plan.get('peer_lr', plan['lr'])}, "
         f"warmup {plan['warmup']}; ours: 05's recipe ({plan['optimizer']})"
         + (f" with {' '.join(plan['ours_set'])}" if plan.get("ours_set") else "")
-        + "; speculators: kl_div, Muon+AdamW, clip 1.0; SpecForge: its soft CE, AdamW, clip 0.5",
+        + "".join(f"; {side}: {RECIPES[side]}" for side in sides[1:]),
         f"  tau = tokens per target verify step ({refs['k']} drafts). T=0: {sum(n0.values())} prompts {n0} x "
         f"{refs['new_tokens']} new tokens, greedy. T=1: top_p {refs['top_p']}, {refs['draft_sampling']} drafts, "
         f"{sum(n1.values())} prompts {n1} x {refs['new_tokens']} tokens x {_reps(work)} sampling seeds",
@@ -94,23 +107,23 @@ def report(work: Path, plan: dict, total_s: float | None) -> str:
     for temp in ("t0", "t1"):
         lines.append(f"\n{'T=0' if temp == 't0' else 'T=1'}: tau mean ± sd [min-max] over {len(seeds)} seeds")
         lines.append(f"  {'side':16s} " + " | ".join(f"{g:^27s}" for g in cols))
-        for side in SIDES:
+        for side in sides:
             vals = {g: [res[side][s][final][temp][g] for s in seeds] for g in cols}
             out["tau"].setdefault(side, {})[temp] = {g: qs.mean_spread(v) for g, v in vals.items()}
             lines.append(f"  {side:16s} " + " | ".join(f"{_cell(vals[g]):^27s}" for g in cols))
-        for peer in SIDES[1:]:
+        for peer in sides[1:]:
             r = {g: qs.ratio([res["ours"][s][final][temp][g] for s in seeds],
                              [res[peer][s][final][temp][g] for s in seeds]) for g in cols}  # fmt: skip
             out.setdefault("ratio", {}).setdefault(peer, {})[temp] = r
             lines.append(f"  ours/{peer:11s} " + " | ".join(
                 f"{x['ratio']:.3f} (seeds {x['min']:.2f}-{x['max']:.2f})".center(27) for x in r.values()))  # fmt: skip
     lines.append("\nT=0 acceptance by draft position (unconditional, all prompts, final step, seed mean)")
-    for side in SIDES:
+    for side in sides:
         acc = [sum(res[side][s][final]["acc"][i] for s in seeds) / len(seeds) for i in range(refs["k"])]
         lines.append(f"  {side:12s} {[round(x, 3) for x in acc]}")
-    lines += _steps(res, plan, seeds, out)
+    lines += _steps(res, plan, seeds, sides, out)
     lines.append("\nTraining seconds (steps only, one core each; seed mean): " + ", ".join(
-        f"{side} {sum(t['train_s'] for t in train[side]) / len(seeds):.0f}" for side in SIDES))  # fmt: skip
+        f"{side} {sum(t['train_s'] for t in train[side]) / len(seeds):.0f}" for side in sides))  # fmt: skip
     if total_s is not None:  # None: the table alone (`quality_real.py report`), no invocation to time
         lines.append(
             f"Wall: {total_s / 60:.1f} min for this invocation (jobs found done in the work dir are not rerun)"
@@ -124,17 +137,17 @@ def _reps(work: Path) -> int:
     return json.loads((work / "eval.json").read_text())["reps"]
 
 
-def _steps(res, plan, seeds, out) -> list[str]:
+def _steps(res, plan, seeds, sides, out) -> list[str]:
     """The T=0 tau curve (MT-Bench + HumanEval) of each side and steps ours needs to reach each peer's final."""
     marks, final = plan["marks"], plan["steps"]
     lines = [f"\nSteps to quality (T=0, {MAIN} tau at each kept step, seed mean)"]
     steps_ours = [0, *marks]
-    for side in SIDES:
+    for side in sides:
         at = steps_ours if side == "ours" else marks
         mean = [sum(res[side][s][m]["t0"][MAIN] for s in seeds) / len(seeds) for m in at]
         lines.append(f"  {side:12s} " + "  ".join(f"{m}: {t:.3f}" for m, t in zip(at, mean, strict=True)))
     curves = [[res["ours"][s][m]["t0"][MAIN] for m in steps_ours] for s in seeds]
-    for peer in SIDES[1:]:
+    for peer in sides[1:]:
         finals = [res[peer][s][final]["t0"][MAIN] for s in seeds]
         x = qs.steps_interval(steps_ours, curves, finals)
         out.setdefault("steps_to_peer_final", {})[peer] = x

@@ -284,3 +284,25 @@ def test_report_states_the_wall_time_only_for_an_invocation_that_ran(tmp_path):
     assert out["tau"]["ours"]["t0"]["MT-Bench+HumanEval"]["mean"] == pytest.approx(3 / 2)  # (2 + 1) / 2 steps
     assert out["tau"]["ours"]["t0"]["all"]["mean"] == pytest.approx((3 + 2) / 4)
     assert out["tau"]["speculators"]["t0"]["MT-Bench+HumanEval"]["mean"] == pytest.approx(1.0)
+
+
+def test_a_work_dir_of_ours_alone_reports_ours_and_a_peer_short_of_a_seed_is_left_out(tmp_path):
+    """A ``--sides ours`` variant's work dir printed "no seed has every side's tau yet": it reports ours alone; a
+    peer that has not finished every seed ours finished drops out of the table and the ratios."""
+    import shutil
+
+    import quality_report
+
+    plan = _fake_work(tmp_path)
+    shutil.rmtree(tmp_path / "SpecForge")
+    text = quality_report.report(tmp_path, plan, None)
+    out = json.loads(text.splitlines()[-1])
+    assert set(out["tau"]) == {"ours", "speculators"} and set(out["ratio"]) == {"speculators"}
+    assert out["ratio"]["speculators"]["t0"]["MT-Bench+HumanEval"]["ratio"] == pytest.approx(1.5)  # 1.5 / 1.0
+    assert "SpecForge" not in text
+    shutil.rmtree(tmp_path / "speculators")
+    out = json.loads(quality_report.report(tmp_path, plan, None).splitlines()[-1])
+    assert set(out["tau"]) == {"ours"} and "ratio" not in out and "steps_to_peer_final" not in out
+    assert out["tau"]["ours"]["t1"]["all"]["mean"] == pytest.approx((3 + 2) / 4)
+    shutil.rmtree(tmp_path / "ours")
+    assert "no seed has our side's tau yet" in quality_report.report(tmp_path, plan, None)
