@@ -60,7 +60,7 @@ def job_ours(spec_path: str) -> None:
         drafter, tr.k, tr.decay, tr.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
         p.checkpoint_steps, terms=recipe.objective(p, tr.shared),
     )  # fmt: skip
-    opts = optim.build(model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay)
+    opts = optim.for_recipe(model.named_parameters(), p)
     scheds = recipe.schedules(opts, p, steps, p.warmup_steps)
     save_state(drafter.state_dict(), drafter.config, out / "step_0")
     keep = set(plan["marks"])

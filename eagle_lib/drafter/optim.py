@@ -33,21 +33,40 @@ def muon_param(name: str, q: torch.Tensor) -> bool:
 
 
 def build(
-    named: Iterable[tuple[str, torch.Tensor]], kind: str, lr: float, betas, weight_decay: float
+    named: Iterable[tuple[str, torch.Tensor]],
+    kind: str,
+    lr: float,
+    betas,
+    weight_decay: float,
+    head_lr_scale: float = 1.0,
 ) -> list[torch.optim.Optimizer]:
-    """The optimizers over the trainable ``named`` parameters (AdamW first; with ``muon``, Muon second)."""
+    """The optimizers over the trainable ``named`` parameters (AdamW first; with ``muon``, Muon second). The
+    lm_head, an AdamW weight under either kind, takes ``lr * head_lr_scale`` (its own param group)."""
     named = [(n, q) for n, q in named if q.requires_grad]
     if kind not in KINDS:
         raise ValueError(f"optimizer {kind!r}: choose one of {list(KINDS)}")
+    if head_lr_scale <= 0:
+        raise ValueError(f"head_lr_scale {head_lr_scale}: must be > 0 (freeze_lm_head keeps it fixed)")
     adam = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    hidden = [q for n, q in named if kind == "muon" and muon_param(n, q)]
+    adamw = [(n, q) for n, q in named if not (kind == "muon" and muon_param(n, q))]
+    if head_lr_scale == 1.0:  # one group, as a checkpoint's optimizer state written before the scale has it
+        groups = [{"params": [q for _, q in adamw]}] if adamw else []
+    else:
+        head = [q for n, q in adamw if "lm_head" in n]
+        rest = [q for n, q in adamw if "lm_head" not in n]
+        groups = [g for g in ({"params": rest}, {"params": head, "lr": lr * head_lr_scale}) if g["params"]]
     if kind == "adamw":
-        return [torch.optim.AdamW([q for _, q in named], **adam)]
-    hidden = [q for n, q in named if muon_param(n, q)]
-    rest = [q for n, q in named if not muon_param(n, q)]
+        return [torch.optim.AdamW(groups, **adam)]
     if not hidden:
         raise ValueError("optimizer muon: no 2-D hidden weight to put under Muon")
     muon = Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
-    return ([torch.optim.AdamW(rest, **adam)] if rest else []) + [muon]
+    return ([torch.optim.AdamW(groups, **adam)] if groups else []) + [muon]
+
+
+def for_recipe(named: Iterable[tuple[str, torch.Tensor]], p) -> list[torch.optim.Optimizer]:
+    """`build` with a stage-05 recipe's (`recipe.Params`) optimizer settings."""
+    return build(named, p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay, p.lm_head_lr_scale)
 
 
 def newton_schulz(g: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:

@@ -128,6 +128,7 @@ class Params(params.Strict):
     freeze_lm_head: bool = (
         False  # keep lm_head at those rows (speculators' way): train fc, the layer and norms
     )
+    lm_head_lr_scale: float = 1.0  # the lm_head's AdamW lr as a fraction of learning_rate (> 0)
     attention: Literal["auto", "eager", "sdpa", "chunked"] = (
         "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | chunked
         # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
@@ -202,6 +203,9 @@ class Params(params.Strict):
 
     @model_validator(mode="after")
     def _frozen_head(self):
+        if self.lm_head_lr_scale <= 0:
+            raise ValueError(f"lm_head_lr_scale {self.lm_head_lr_scale}: must be > 0 (freeze_lm_head: true "
+                             "keeps the lm_head fixed)")  # fmt: skip
         if self.freeze_lm_head and not self.init_lm_head_from_target:
             raise ValueError("freeze_lm_head keeps the target's lm_head rows: it needs init_lm_head_from_target "
                              "(a frozen random lm_head would never learn the vocabulary)")  # fmt: skip

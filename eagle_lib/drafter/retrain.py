@@ -148,9 +148,7 @@ class Trainer:
             drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
             p.checkpoint_steps, terms=recipe.objective(p, self.shared),
         )  # fmt: skip
-        opts = optim.build(
-            model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay
-        )
+        opts = optim.for_recipe(model.named_parameters(), p)
         scheds = recipe.schedules(opts, p, steps, warmup)
         log = trainer.fit("07_data_value", p, model, opts, scheds, self.source, stream, self.device, self.k,
                           self.decay, steps, key, drafter.config, Path(work_dir), log_every=0)  # fmt: skip

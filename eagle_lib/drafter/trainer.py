@@ -233,9 +233,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
         unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
                          p.checkpoint_steps, shard, recipe.objective(p, cfg.shared))  # fmt: skip
         model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
-        opts = optim.build(
-            model.named_parameters(), p.optimizer, p.learning_rate, p.adam_betas, p.weight_decay
-        )
+        opts = optim.for_recipe(model.named_parameters(), p)
         scheds = recipe.schedules(opts, p, total)
         if not p.resume and distributed.is_main() and checkpoints.directory(out, fp).exists():
             shutil.rmtree(

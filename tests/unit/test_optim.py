@@ -78,3 +78,27 @@ def test_with_bfloat16_iterations_it_is_torchs_muon_bit_for_bit(monkeypatch):
     for ours, theirs in zip(*ws, strict=True):
         assert torch.equal(ours.detach(), theirs.detach())
     assert optim.NS_DTYPE["cuda"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw"])
+def test_the_lm_head_takes_its_scaled_lr_and_the_rest_the_peak(kind):
+    """AdamW's first step moves each weight by lr (m / sqrt(v) = sign(g) from zero state, bias-corrected):
+    the lm_head's by lr * 0.1, a norm weight's by lr; Muon's matrices are unchanged by the scale."""
+    moved = {}
+    for scale in (1.0, 0.1):
+        d = tiny_drafter()
+        start = {n: q.detach().clone() for n, q in d.named_parameters()}
+        opts = optim.build(d.named_parameters(), kind, 1e-2, [0.9, 0.95], 0.0, head_lr_scale=scale)
+        for n, q in d.named_parameters():
+            if q.requires_grad:
+                q.grad = torch.randn_like(q, generator=torch.Generator().manual_seed(len(n)))
+        optim.step(opts)
+        moved[scale] = {n: (q.detach() - start[n]).abs() for n, q in d.named_parameters()}
+    for scale, m in moved.items():
+        assert torch.allclose(
+            m["lm_head.weight"], torch.full_like(m["lm_head.weight"], 1e-2 * scale), rtol=1e-3
+        )
+        assert torch.allclose(m["norm.weight"], torch.full_like(m["norm.weight"], 1e-2), rtol=1e-3)
+    assert torch.equal(moved[1.0]["fc.weight"], moved[0.1]["fc.weight"])
+    with pytest.raises(ValueError, match="head_lr_scale"):
+        optim.build(tiny_drafter().named_parameters(), kind, 1e-2, [0.9, 0.95], 0.0, head_lr_scale=0.0)

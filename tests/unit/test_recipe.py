@@ -110,3 +110,9 @@ def test_a_frozen_lm_head_stays_the_targets_rows_while_the_layer_trains(freeze):
 def test_a_frozen_lm_head_needs_the_targets_rows():
     with pytest.raises(ValueError, match="init_lm_head_from_target"):
         recipe.Params(freeze_lm_head=True, init_lm_head_from_target=False)
+
+
+def test_the_lm_head_lr_scale_is_a_positive_fraction():
+    with pytest.raises(ValueError, match="lm_head_lr_scale"):
+        recipe.Params(lm_head_lr_scale=0.0)
+    assert recipe.Params(lm_head_lr_scale=0.1).lm_head_lr_scale == 0.1
