@@ -327,8 +327,11 @@ def main(a) -> None:
     """The real-model benchmark: setup, jobs, table (bench_quality.py --params ...)."""
     if a.vllm:
         sys.exit("--vllm is not done for a real run (bench_quality.py serves the toy's exports only)")
-    for py, make in ((a.spec_python, "bench-env"), (a.sf_python, "specforge-env")):
-        if not Path(py).exists():
+    for side, py, make in (
+        ("speculators", a.spec_python, "bench-env"),
+        ("SpecForge", a.sf_python, "specforge-env"),
+    ):
+        if side in a.sides and not Path(py).exists():  # a peer's venv runs only its own training jobs
             sys.exit(f"{py} missing: run `make {make}` first")
     work = Path(a.work_dir or f"/tmp/bench_quality_real_{os.getpid()}").absolute()
     work.mkdir(parents=True, exist_ok=True)

@@ -306,3 +306,22 @@ def test_a_work_dir_of_ours_alone_reports_ours_and_a_peer_short_of_a_seed_is_lef
     assert out["tau"]["ours"]["t1"]["all"]["mean"] == pytest.approx((3 + 2) / 4)
     shutil.rmtree(tmp_path / "ours")
     assert "no seed has our side's tau yet" in quality_report.report(tmp_path, plan, None)
+
+
+def test_a_run_of_ours_alone_needs_no_peer_venv(tmp_path):
+    """`--sides ours` stopped on a missing SpecForge venv that only SpecForge's training jobs run in; a side that
+    is asked for still needs its own."""
+    from types import SimpleNamespace
+
+    import quality_real
+
+    (tmp_path / "plan.json").write_text(json.dumps({"seeds": [0], "steps": 4, "lr": 0.01, "ours_set": []}))
+    a = SimpleNamespace(vllm=False, spec_python=str(tmp_path / "none"), sf_python=str(tmp_path / "none"),
+                        sides=["ours"], work_dir=str(tmp_path), seeds=[1], steps=4, ours_set=[], peer_lr=0.0)  # fmt: skip
+    with pytest.raises(
+        SystemExit, match="planned for seeds"
+    ):  # past the venv check, stopped by the plan's seeds
+        quality_real.main(a)
+    a.sides = ["ours", "SpecForge"]
+    with pytest.raises(SystemExit, match="make specforge-env"):
+        quality_real.main(a)
