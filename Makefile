@@ -59,10 +59,13 @@ toy: env
 # `make test`: the same world, trained in the background from before the other installers on into the first tests,
 # so that it is ready ~6 min sooner than if the suite began it (the run is CPU-bound either way: `make parts` alone
 # keeps 1.7 cores busy); the suite's fixture that needs it waits on the world's build lock, or builds it itself if
-# this build died. Log in .toy.build.log.
+# this build died. On one thread (EAGLE_MAX_THREADS, the same bits as `make toy`'s two): beside the installers and the
+# tests both cores are busy anyway, and one thread builds it with a fifth less CPU than two (AVX-512 EPYC: 337 against
+# 414 CPU-s, the same target/model.safetensors; docs/MACHINES.md, "Time").
+# Log in .toy.build.log.
 toy-background: env
-	@echo "building the toy world in the background (log: .toy.build.log)"
-	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} nohup $(PY) -m eagle_lib.toy build </dev/null >.toy.build.log 2>&1 &
+	@echo "building the toy world in the background on one thread (log: .toy.build.log)"
+	@EAGLE_MAX_THREADS=$${EAGLE_MAX_THREADS:-1} OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} nohup $(PY) -m eagle_lib.toy build </dev/null >.toy.build.log 2>&1 &
 
 run: env toy
 	$(PY) -m eagle_lib.pipeline run $(PARAMS) $(if $(STAGES),--stages $(STAGES),) $(foreach s,$(SET),--set $(s))

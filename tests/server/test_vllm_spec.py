@@ -338,6 +338,20 @@ def test_live_preflight_passes_on_the_intended_server(world, speculators_server)
     assert {"vllm method (live)", "vllm draft model (live)", "live tau"} <= names
 
 
+def test_live_preflight_names_the_served_drafter_when_asked_about_another(world, speculators_server):
+    """The live preflight asked about another drafter than the one the running server carries: it fails the path
+    check and names the path the server reports (the server's own account; its tau stays a pass). The same
+    check on a server started on an untrained drafter, with its tau ~1: the `full` test below."""
+    srv, other = speculators_server, world["root"] / "another_drafter"
+    res = online.online_vllm(srv.base_url, srv.model, {"tiny": world["prompts"]}, NEW, K, concurrency=1)
+    checks = live.check_server("vllm", srv.base_url, str(other), K, tau=res["tiny"]["tau"])  # as 06 passes it
+    failed = {c.name: c.message for c in checks if not c.ok}
+    served = str(world["exports"]["speculators"])
+    assert set(failed) == {"vllm draft model (live)"}, failed
+    assert served in failed["vllm draft model (live)"] and str(other) in failed["vllm draft model (live)"]
+
+
+@pytest.mark.full
 def test_live_preflight_flags_a_server_with_another_drafter(world):
     """vLLM started on an untrained drafter (another path): the live preflight names the path and tau ~1."""
     wrong = export.export_all(new_drafter(world["target"]), world["root"] / "wrong", str(world["dir"]),

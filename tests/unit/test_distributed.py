@@ -129,7 +129,8 @@ distributed.shutdown()  # barrier first: one rank tearing gloo down while the ot
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bf16", [True, False])
+# the fp32 case's dtypes: the `full` tier (fp32 FSDP against one process: test_fsdp_two_processes_match_one)
+@pytest.mark.parametrize("bf16", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_fsdp_bf16_gathers_bf16_and_keeps_fp32_master_shards(bf16):
     """05's bf16 precision under FSDP: the gathered weights a module computes with are bf16 (half the
     all-gather), the shards the optimizer steps stay fp32 and so do their gradients (reduced in fp32); without

@@ -43,7 +43,12 @@ distributed.shutdown()
 
 @pytest.mark.parametrize(
     "k,feed,attention,chunk",
-    [(1, "label", "chunked", 0), (3, "drafted", "chunked", 5), (7, "label", "eager", 4)],
+    # `make test`: drafted feed with chunked attention, and eager attention; k=1 is the `full` tier's
+    [
+        pytest.param(1, "label", "chunked", 0, marks=pytest.mark.full),
+        (3, "drafted", "chunked", 5),
+        (7, "label", "eager", 4),
+    ],
 )
 @pytest.mark.slow
 def test_two_ranks_each_half_a_row_equal_one_process(k, feed, attention, chunk):
