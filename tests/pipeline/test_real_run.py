@@ -4,8 +4,9 @@ starts itself, 05 on vLLM's hidden states, 06 on held-out ShareGPT, MT-Bench (bo
 T=1, offline and served by vLLM with the drafter; 07 on the same run in the `full` tier (`make test-all`: ~190 s
 here on top of the slice's ~550 s; the toy pipeline's run keeps 07 in `make test`).
 
-The slice is the same params file with only sizes changed (`SLICE`): a handful of prompts, a few steps, and 06
-without the oracle method.
+The slice is the same params file with only sizes changed (`SLICE`): a handful of prompts, a few steps; 06
+without the oracle method and, in `make test`, without its second server (the target alone, for served tokens/s:
+the `full` tier reruns 06 with it).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ SLICE = {  # stage -> keys replaced in params/smollm2.yaml (datasets: per-datase
     "06_eval_acceptance": {"methods": ["none", "ngram", "eagle3"], "sampled_methods": ["eagle3"],
                            "max_prompts_per_dataset": 1, "eval_max_new_tokens": 16, "max_prompt_tokens": 384,
                            "sampled_max_prompts": 1, "online_max_prompts": 1, "online_temperatures": [0.0],
-                           "eval_sets": {"max_prompts": 1}},
+                           # the second vLLM server (the same requests without the drafter): the `full` tier's
+                           # test_the_slice_serves_the_same_requests_without_the_drafter
+                           "online_speed": False, "eval_sets": {"max_prompts": 1}},
     "07_data_value": {"fractions": [0.5, 1.0], "max_prompts_per_dataset": 2, "eval_max_new_tokens": 16,
                       "max_prompt_tokens": 384, "bootstrap_reps": 50, "noise_seeds": 0, "noise_fractions": None,
                       "regen_fraction": 1.0},
@@ -114,10 +117,6 @@ def test_the_slice_measures_tau_on_mt_bench_and_humaneval_offline_and_served(rea
     # vLLM serving the drafter beside SmolLM2: the target's greedy output on every prompt, tau = offline's
     assert h["online_greedy_equal"] == 1.0, h.get("online_verdict")
     assert h["online_verdict"]["verdict"] == "agree", h["online_verdict"]["message"]
-    # the same requests served without the drafter (online_speed): wall-clock tokens/s of both, the same output
-    speed = h["served_tokens_per_s"]["T=0"]
-    assert speed["tokens_per_s"] > 0 and speed["tokens_per_s_no_draft"] > 0
-    assert speed["speedup"] == pytest.approx(speed["tokens_per_s"] / speed["tokens_per_s_no_draft"], rel=1e-2)
 
 
 @pytest.mark.full
@@ -146,3 +145,16 @@ def test_the_slice_serves_its_drafter_in_llama_cpp_beside_the_gguf_target(real_r
     assert (table["tokens_per_s"] > 0).all() and (table["tokens_per_s_no_draft"] > 0).all()
     recorded = json.loads((real_run / "metrics" / "06_eval_acceptance.json").read_text())["llamacpp"]
     assert recorded["T=0"]["verdict"] == "agree" and "--spec-type draft-eagle3" in recorded["command"]
+
+
+@pytest.mark.full
+@pytest.mark.server
+def test_the_slice_serves_the_same_requests_without_the_drafter(real_run):
+    """06 again with params/smollm2.yaml's `online_speed: true` (the slice turns it off in `make test`): a second
+    vLLM server, the target alone, answers the same requests; wall-clock tokens/s of both and their ratio. Last in
+    the file: it rewrites the run's 06."""
+    params_file = json.loads((real_run / "manifest.json").read_text())["params_file"]
+    run_pipeline(params_file, stages="06", overrides=["06_eval_acceptance.online_speed=true"])
+    speed = _meta(real_run, "eval")["headline"]["served_tokens_per_s"]["T=0"]
+    assert speed["tokens_per_s"] > 0 and speed["tokens_per_s_no_draft"] > 0
+    assert speed["speedup"] == pytest.approx(speed["tokens_per_s"] / speed["tokens_per_s_no_draft"], rel=1e-2)

@@ -347,7 +347,13 @@ def test_stage_stops_early_when_failures_are_clearly_too_many(world, tmp_path):
         str(d), faults=Faults(plans={prompt_key(p["prompt_ids"]): ["400"] * 2 for p in prompts})
     )
     with ServerThread(standin) as url:
-        http = {"engine": "sglang", "server_urls": [url], "concurrency": 2, "timeout_s": 20.0}
+        http = {
+            "engine": "sglang",
+            "server_urls": [url],
+            "concurrency": 2,
+            "timeout_s": 20.0,
+            "backoff_s": 0.05,
+        }
         # the stop is 03's clear error (it was the engine's bare EngineError, with no meta written), naming the
         # dataset and its counts; infer/meta.json says it stopped early and what each dataset got
         with pytest.raises(
