@@ -16,6 +16,7 @@ from eagle_lib.data import subsets
 from eagle_lib.data_value import curve as curves
 from eagle_lib.data_value import value_tables as tables
 from eagle_lib.drafter import retrain
+from eagle_lib.drafter import trainer as loop
 from eagle_lib.serving import heldout_tau
 
 STAGE = "07_data_value"
@@ -124,6 +125,9 @@ class Study:
         eval_key = store.stable_hash(
             {"d": key if reuse_dir is None else reused_id(reuse_dir), "e": self._eval_id(decoder)}
         )
+        # decode on the threads a training step holds alone (threads_alone): a cached or reused drafter's decode
+        # then forks as many one-thread decodes as a trained one's (heldout_tau.Decoder.decode)
+        loop.alone_threads(self.trainer.p, self.trainer.source)
         sums = decoder.add(name, drafter, self.cached_sums.get(eval_key))
         self.cached_sums[eval_key] = sums
         info = {

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from eagle_lib import distributed, models
+from eagle_lib import distributed, forked, models
 from eagle_lib.decoding import specdec
 from eagle_lib.engines import machine
 
@@ -62,13 +62,22 @@ class Meter:
         was_training = drafter.training
         drafter.eval()
         runner = specdec.TargetRunner(self.target, self.aux_layers)
-        accepted = []
-        with torch.no_grad(), machine.decoding_threads():  # not the training step's threads_alone
-            for ids in self.prompts:
-                g = specdec.speculative_generate(
+        owned = torch.get_num_threads()  # the training step's: threads_alone once no producer runs
+        with (
+            torch.no_grad(),
+            machine.decoding_threads() as want,
+        ):  # one thread a decode, the rest in processes
+
+            def one(i: int) -> list[int]:
+                ids = self.prompts[i]
+                return specdec.speculative_generate(
                     runner, specdec.EagleProposer(drafter), ids, self.max_new_tokens, self.k, self.eos_ids
-                )
-                accepted += g.accepted
+                ).accepted
+
+            runs = forked.forked_map(
+                one, len(self.prompts), machine.decoding_processes(owned, want), "05's measured tau"
+            )
+        accepted = [a for run in runs for a in run]
         runner.cache = None  # free the target's KV cache between measurements
         drafter.train(was_training)
         st = specdec.acceptance_stats(accepted, self.k)

@@ -66,6 +66,15 @@ def decoding_threads(requested: int = 0):
             torch.set_num_threads(before)
 
 
+def decoding_processes(owned: int, per_process: int) -> int:
+    """How many forked processes decode side by side (`eagle_lib.forked.forked_map`) in a stage that holds `owned`
+    torch threads while each decode takes `per_process` (`decoding_threads`): owned // per_process, at least one,
+    within the cores this process may use and `thread_cap`. 07's arms and 05's measured tau decode between training
+    steps that hold `threads_alone` (2 on a 2-core host), so two one-thread decodes run there at once, each as fast as
+    one alone; a stage on `cpu_threads`' half of the machine (06, a run beside another) keeps one process."""
+    return max(1, min(owned, usable_cores(), capped(owned)) // max(1, per_process))
+
+
 def cpu_model_and_flags(cpuinfo: str) -> tuple[str, dict[str, bool]]:
     """The first processor's model name and which of ISA_FLAGS it has, from /proc/cpuinfo text."""
     model, flags = "unknown", set()

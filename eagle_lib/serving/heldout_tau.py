@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_lib import store
+from eagle_lib import forked, store
 from eagle_lib.data import evalsets
 from eagle_lib.decoding import specdec
 from eagle_lib.decoding.sampling import Sampler, draft_sampler
@@ -86,32 +86,44 @@ class Decoder:
         runner = specdec.TargetRunner(self.target, drafter.config.aux_layers)
         num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
         gens, self.generations = [], []
-        with machine.decoding_threads():  # 07 trains on threads_alone; one thread decodes faster
-            self._decode(runner, drafter, (temperature, top_p, draft, reps, seed), num, den, gens)
+        owned = torch.get_num_threads()  # what the stage holds (07: the training step's threads_alone)
+        with (
+            machine.decoding_threads() as want
+        ):  # one thread decodes faster; the rest of `owned` in more processes
+            how = (temperature, top_p, draft, reps, seed)
+            self._decode(runner, drafter, how, num, den, gens, machine.decoding_processes(owned, want))
         runner.cache = None  # free the target's KV cache
         ratio = tables.cost_ratio(gens)
         self.cost_ratio = float("nan") if ratio is None else ratio
         return num, den
 
-    def _decode(self, runner, drafter, how: tuple, num, den, gens: list) -> None:
-        """decode()'s loop: adds each prompt's sums into num / den in place."""
+    def _decode(self, runner, drafter, how: tuple, num, den, gens: list, processes: int = 1) -> None:
+        """decode()'s loop: adds each prompt's sums into num / den in place; the prompts are decoded by
+        `processes` forked processes (`forked.forked_map`: each prompt's run is the one this process would make,
+        bit for bit, its sampling seeded by the prompt alone)."""
         temperature, top_p, draft, reps, seed = how
-        for r in range(reps if temperature > 0 else 1):
-            for j, pr in enumerate(self.prompts):
-                key = int(store.stable_hash([seed, r, temperature, pr.dataset, pr.id], 8), 16)
-                g = specdec.speculative_generate(
-                    runner,
-                    specdec.EagleProposer(drafter, draft_sampler(draft, temperature, key + 1)),
-                    pr.prompt_ids,
-                    self.max_new_tokens,
-                    self.k,
-                    self.eos_ids,
-                    Sampler(temperature, top_p if temperature else 1.0, 0, key),
-                )
-                num[j] += sum(a + 1 for a in g.accepted)
-                den[j] += len(g.accepted)
-                gens.append({"method": "eagle3", **vars(g)})
-                self.generations.append(g)
+        jobs = [(r, j) for r in range(reps if temperature > 0 else 1) for j in range(len(self.prompts))]
+
+        def one(i: int) -> specdec.Generation:
+            r, j = jobs[i]
+            pr = self.prompts[j]
+            key = int(store.stable_hash([seed, r, temperature, pr.dataset, pr.id], 8), 16)
+            return specdec.speculative_generate(
+                runner,
+                specdec.EagleProposer(drafter, draft_sampler(draft, temperature, key + 1)),
+                pr.prompt_ids,
+                self.max_new_tokens,
+                self.k,
+                self.eos_ids,
+                Sampler(temperature, top_p if temperature else 1.0, 0, key),
+            )
+
+        runs = forked.forked_map(one, len(jobs), processes, "held-out decoding")
+        for (_, j), g in zip(jobs, runs, strict=True):
+            num[j] += sum(a + 1 for a in g.accepted)
+            den[j] += len(g.accepted)
+            gens.append({"method": "eagle3", **vars(g)})
+            self.generations.append(g)
 
     def add(self, name: str, drafter, cached: tuple[list, list] | None = None) -> tuple[list, list]:
         """Decode (or take `cached` per-prompt sums) and append as row `name`; returns the sums as lists."""

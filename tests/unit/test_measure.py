@@ -223,5 +223,29 @@ def test_meter_decodes_on_the_machine_rule_threads_and_restores_the_training_thr
     _, drafter, _, held, _, _ = train.build(cfg, torch.device("cpu"))
     with training_threads_on_two_cores(monkeypatch) as seen:
         measure.Meter(target, drafter.config.aux_layers, measure.prompts_of(held, 2, 64), 6, 3)(drafter)
-        assert seen and set(seen) == {1}
+        assert seen() and {threads for _, threads in seen()} == {1}
         assert torch.get_num_threads() == 2
+
+
+def test_meter_in_two_decode_processes_measures_what_one_process_does(world, monkeypatch):
+    """05's meter between steps that hold threads_alone (2 on 2 cores) decodes its prompts in two forked one-thread
+    processes; the tau and per-position acceptance are the one-process meter's exactly."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.threads import training_threads_on_two_cores
+
+    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)
+    root, run = world
+    target = AutoModelForCausalLM.from_pretrained(root / "target").eval()
+    cfg = eagle_tiny.stage_config(run, root / "target")
+    _, drafter, _, held, _, _ = train.build(cfg, torch.device("cpu"))
+    meter = measure.Meter(target, drafter.config.aux_layers, measure.prompts_of(held, 3, 64), 6, 3)
+    got = {}
+    for threads in (1, 2):
+        with training_threads_on_two_cores(monkeypatch, threads) as seen:
+            got[threads] = {k: v for k, v in meter(drafter).items() if k != "seconds"}
+            got[threads, "pids"] = {pid for pid, _ in seen()}
+    assert got[1, "pids"] == {os.getpid()} and os.getpid() not in got[2, "pids"]
+    assert got[2] == got[1] and got[1]["verify_steps"] > 0

@@ -258,5 +258,37 @@ def test_decoder_decodes_on_the_machine_rule_threads_not_the_training_threads(tr
     prompts, _ = heldout_tau.heldout_prompts(run, 40.0, 2, 768)
     with training_threads_on_two_cores(monkeypatch) as seen:
         heldout_tau.Decoder(tr.source.model, prompts, 8, 3, []).add("d", drafter)
-        assert seen and set(seen) == {1}
+        assert seen() and {threads for _, threads in seen()} == {1}
         assert torch.get_num_threads() == 2
+
+
+def test_two_decode_processes_give_the_one_process_sums_bit_for_bit(trained, monkeypatch):
+    """On a 2-core host 07 decodes each arm's prompts in two forked one-thread processes (`machine.decoding_processes`
+    of the training step's threads_alone): every prompt's generation, greedy and sampled, must be the one a single
+    process makes. The reference is the decode in this process (torch on one thread owns one process)."""
+    import os
+
+    from tests.support.threads import training_threads_on_two_cores
+
+    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)  # the suite caps its workers at one thread
+    run, _, tr = trained
+    drafter = load_drafter(run / "drafter" / "final")
+    prompts, _ = heldout_tau.heldout_prompts(run, 40.0, 3, 768)
+    assert len(prompts) >= 3
+
+    def runs(training_threads, **how):
+        dec = heldout_tau.Decoder(tr.source.model, prompts, 10, 3, [])
+        with training_threads_on_two_cores(monkeypatch, training_threads) as seen:
+            num, den = dec.decode(drafter, **how)
+            calls = seen()
+        gens = [(g.output_ids, g.accepted, g.drafted) for g in dec.generations]
+        return (num.tolist(), den.tolist(), gens), calls
+
+    for how in ({}, {"temperature": 1.0, "top_p": 0.95, "draft": "probabilistic", "reps": 2, "seed": 3}):
+        one, calls1 = runs(1, **how)
+        two, calls2 = runs(2, **how)
+        assert {pid for pid, _ in calls1} == {os.getpid()}  # the reference ran here
+        assert calls2 and os.getpid() not in {pid for pid, _ in calls2}  # ... and this one in forked children
+        assert {t for _, t in calls1 + calls2} == {1}
+        assert two == one, how
+        assert len(calls2) == len(prompts) * how.get("reps", 1)

@@ -1,0 +1,41 @@
+"""`eagle_lib.forked.forked_map`: results in item order, computed in forked children, errors brought back."""
+
+import os
+
+import pytest
+
+from eagle_lib import forked
+
+
+def test_results_come_back_in_item_order_from_forked_children():
+    parent = os.getpid()
+    data = {"offset": 7}  # set before the call: a child sees the parent's memory as it is at the call
+
+    got = forked.forked_map(lambda i: (i * i + data["offset"], os.getpid()), 9, 2)
+    assert [v for v, _ in got] == [i * i + 7 for i in range(9)]
+    assert parent not in {pid for _, pid in got}
+    assert forked.forked_map(lambda i: os.getpid(), 3, 1) == [parent] * 3  # one process: this one
+
+
+def test_a_childs_exception_is_raised_here_and_a_dead_child_is_named():
+    def bad(i):
+        if i == 3:
+            raise ValueError(f"bad item {i}")
+        return i
+
+    with pytest.raises(ValueError, match="bad item 3"):
+        forked.forked_map(bad, 6, 2)
+
+    def dies(i):
+        if i == 1:
+            os._exit(3)
+        return i
+
+    with pytest.raises(RuntimeError, match="held-out decoding: a worker process died"):
+        forked.forked_map(dies, 4, 2, "held-out decoding")
+    assert forked.forked_map(lambda i: i, 4, 2) == [0, 1, 2, 3]  # usable again after a failure
+
+
+def test_nested_calls_are_refused():
+    with pytest.raises(RuntimeError, match="nested"):
+        forked.forked_map(lambda i: forked.forked_map(lambda j: j, 2, 2), 2, 2)
