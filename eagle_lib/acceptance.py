@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 import pandas as pd
 from pydantic import model_validator
 
-from eagle_lib import params, store
+from eagle_lib import forked, params, store
 from eagle_lib.data import evalsets
 from eagle_lib.data.evalsets import Prompt
 from eagle_lib.engines import machine
@@ -65,6 +65,9 @@ class Params(params.Strict):
     temperatures: list[float] = []  # 0 = greedy; empty: shared.serve_temperatures (empty too: [0.0, 1.0])
     sampled_methods: list[Method] = ["none", "ngram", "eagle3"]  # decoded at T > 0 (none: speed baseline)
     sampled_max_prompts: int = 0  # prompts per dataset decoded at T > 0 (the first ones); 0 = all
+    # offline decodes side by side, in forked processes on 06's threads each (eagle_lib/forked.py; the same
+    # generations bit for bit): 1 = in this process; 0 = as many as the cores allow (within EAGLE_MAX_THREADS)
+    decode_processes: int = 1
     top_p: float = 0.0  # the target's sampling at T > 0; 0: shared.serve_top_p; 1.0 = off
     top_k: int = 0  # the target's top-k at T > 0; 0 = off
     draft_sampling: Literal["greedy", "probabilistic"] = (
@@ -109,6 +112,10 @@ class Params(params.Strict):
     def _consistent(self):
         if min(self.num_steps, self.topk, self.eval_max_new_tokens, self.max_prompts_per_dataset) < 1:
             raise ValueError("num_steps, topk, eval_max_new_tokens and max_prompts_per_dataset must be >= 1")
+        if self.decode_processes < 0:
+            raise ValueError(
+                f"decode_processes must be >= 0 (0: as the cores allow; got {self.decode_processes})"
+            )
         if self.offline and "none" not in self.methods:
             raise ValueError("methods must include 'none', the lossless greedy reference")
         if not self.offline and self.online_engine == "none":
@@ -222,15 +229,17 @@ def sampler_for(p: Params, temperature: float, seed: int, pr: Prompt, salt: str 
 def decode_offline(
     target, drafter, prompts: dict[str, list[Prompt]], p: Params, eos_ids: list[int], out: Path, seed: int = 0
 ):
-    """Every method on every prompt at every temperature; appends records to out (JSONL) and returns them."""
+    """Every method on every prompt at every temperature; appends records to out (JSONL) and returns them. The
+    prompts (each with all its methods) are decoded by `offline_processes(p)` forked processes, in the order and
+    with the bits one process gives (each run is seeded by its prompt alone)."""
     from eagle_lib.decoding import specdec
 
-    gens = []
     methods = ["none"] + [m for m in p.methods if m != "none"]
     runners = {
         False: specdec.TargetRunner(target),
         True: specdec.TargetRunner(target, drafter.config.aux_layers) if drafter is not None else None,
     }
+    jobs = []  # (temperature, methods, dataset, prompt), in the order one process decodes them
     for temp in sorted(p.temperatures):
         # the oracle accepts everything at T = 0 (nothing to learn, k target passes a step): sampled only
         todo = (
@@ -239,28 +248,44 @@ def decode_offline(
             else [m for m in methods if m in p.sampled_methods]
         )
         cap = p.sampled_max_prompts if temp > 0 and p.sampled_max_prompts else None
-        for ds, ps in prompts.items():
-            for pr in ps[:cap]:
-                ref = None
-                for m in todo:
-                    prop = proposer_for(m, p, drafter, sampler_for(p, temp, seed, pr, "draft"), target)
-                    g = specdec.speculative_generate(
-                        runners[prop.needs_features], prop, pr.prompt_ids, p.eval_max_new_tokens,
-                        p.num_steps, eos_ids, sampler_for(p, temp, seed, pr),
-                    )  # fmt: skip
-                    ref = g.output_ids if m == "none" else ref
-                    rec = {
-                        "method": m,
-                        "temperature": temp,
-                        "dataset": ds,
-                        "id": pr.id,
-                        "n_prompt": len(pr.prompt_ids),
-                        "lossless": g.output_ids == ref if temp == 0 else None,
-                        **vars(g),
-                    }
-                    store.append_jsonl(out, [rec], fsync=False)
-                    gens.append(rec)
+        jobs += [(temp, todo, ds, pr) for ds, ps in prompts.items() for pr in ps[:cap]]
+
+    def one(i: int) -> list[dict]:
+        temp, todo, ds, pr = jobs[i]
+        recs, ref = [], None
+        for m in todo:
+            prop = proposer_for(m, p, drafter, sampler_for(p, temp, seed, pr, "draft"), target)
+            g = specdec.speculative_generate(
+                runners[prop.needs_features], prop, pr.prompt_ids, p.eval_max_new_tokens,
+                p.num_steps, eos_ids, sampler_for(p, temp, seed, pr),
+            )  # fmt: skip
+            ref = g.output_ids if m == "none" else ref
+            recs.append({
+                "method": m,
+                "temperature": temp,
+                "dataset": ds,
+                "id": pr.id,
+                "n_prompt": len(pr.prompt_ids),
+                "lossless": g.output_ids == ref if temp == 0 else None,
+                **vars(g),
+            })  # fmt: skip
+        return recs
+
+    gens = []
+    for recs in forked.forked_map(one, len(jobs), offline_processes(p), "06's offline decoding"):
+        store.append_jsonl(out, recs, fsync=False)
+        gens += recs
     return gens
+
+
+def offline_processes(p: Params) -> int:
+    """Forked processes of 06's offline decoding: `p.decode_processes` (0: as many as the cores allow), each on
+    the torch threads this process holds (`machine.decoding_processes`: within the cores and EAGLE_MAX_THREADS)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    most = machine.decoding_processes(machine.usable_cores(), threads)
+    return most if p.decode_processes == 0 else min(p.decode_processes, most)
 
 
 def ensure_exports(cfg: params.StageConfig, drafter_dir: Path, tcfg: dict, load) -> dict[str, Path]:

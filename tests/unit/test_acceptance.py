@@ -58,7 +58,7 @@ def test_malformed_record_names_file_and_record(tmp_path):
 
 
 # --- the whole stage --------------------------------------------------------------------------------------
-def test_run_on_tiny_run_dir(tmp_path):
+def test_run_on_tiny_run_dir(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eagle_lib.drafter.model import Eagle3Config, Eagle3Drafter, init_from_target, save_drafter
@@ -121,6 +121,19 @@ def test_run_on_tiny_run_dir(tmp_path):
     timeless = [{k: v for k, v in g.items() if not k.endswith("_s")} for g in gens]
     again = [{k: v for k, v in g.items() if not k.endswith("_s")} for g in store.read_jsonl(run_dir / "eval" / "generations.jsonl")]  # fmt: skip
     assert again == timeless and any(g["temperature"] == 1.0 and g["output_ids"] for g in again)
+    # decode_processes: 2 decodes in two forked one-thread processes: the same records in the same order, T=1 too
+    import os
+
+    from tests.support.threads import training_threads_on_two_cores
+
+    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)  # the suite caps its workers at one thread
+    with training_threads_on_two_cores(monkeypatch, 1) as seen:
+        p_forked = p.model_copy(update={"decode_processes": 2})
+        assert acceptance.offline_processes(p_forked) == 2
+        acceptance.run(params.StageConfig("06_eval_acceptance", run_dir, shared, p_forked))
+        pids = {pid for pid, _ in seen()}
+    forked = [{k: v for k, v in g.items() if not k.endswith("_s")} for g in store.read_jsonl(run_dir / "eval" / "generations.jsonl")]  # fmt: skip
+    assert forked == timeless and pids and os.getpid() not in pids
     # stop_token_ids replaces the target's stop ids: the first token the target wrote now ends that answer
     first = next(g for g in gens if g["method"] == "none" and g["temperature"] == 0)
     assert len(first["output_ids"]) == 12 and meta["stop_ids"] != first["output_ids"][:1]
