@@ -272,19 +272,22 @@ def decode_offline(
         return recs
 
     gens = []
-    for recs in forked.forked_map(one, len(jobs), offline_processes(p), "06's offline decoding"):
+    for recs in forked.forked_map(
+        one, len(jobs), offline_processes(p, runners[False].device), "06's offline decoding"
+    ):
         store.append_jsonl(out, recs, fsync=False)
         gens += recs
     return gens
 
 
-def offline_processes(p: Params) -> int:
+def offline_processes(p: Params, device="cpu") -> int:
     """Forked processes of 06's offline decoding: `p.decode_processes` (0: as many as the cores allow), each on
-    the torch threads this process holds (`machine.decoding_processes`: within the cores and EAGLE_MAX_THREADS)."""
+    the torch threads this process holds (`machine.decoding_processes`: within the cores and EAGLE_MAX_THREADS; one
+    for a target on a GPU)."""
     import torch
 
     threads = torch.get_num_threads()
-    most = machine.decoding_processes(machine.usable_cores(), threads)
+    most = machine.decoding_processes(machine.usable_cores(), threads, device)
     return most if p.decode_processes == 0 else min(p.decode_processes, most)
 
 

@@ -75,7 +75,10 @@ class Meter:
                 ).accepted
 
             runs = forked.forked_map(
-                one, len(self.prompts), machine.decoding_processes(owned, want), "05's measured tau"
+                one,
+                len(self.prompts),
+                machine.decoding_processes(owned, want, runner.device),
+                "05's measured tau",
             )
         accepted = [a for run in runs for a in run]
         runner.cache = None  # free the target's KV cache between measurements

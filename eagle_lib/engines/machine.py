@@ -66,12 +66,17 @@ def decoding_threads(requested: int = 0):
             torch.set_num_threads(before)
 
 
-def decoding_processes(owned: int, per_process: int) -> int:
+def decoding_processes(owned: int, per_process: int, device="cpu") -> int:
     """How many forked processes decode side by side (`eagle_lib.forked.forked_map`) in a stage that holds `owned`
     torch threads while each decode takes `per_process` (`decoding_threads`): owned // per_process, at least one,
     within the cores this process may use and `thread_cap`. 07's arms and 05's measured tau decode between training
     steps that hold `threads_alone` (2 on a 2-core host), so two one-thread decodes run there at once, each as fast as
-    one alone; a stage on `cpu_threads`' half of the machine (06, a run beside another) keeps one process."""
+    one alone; a stage on `cpu_threads`' half of the machine (06, a run beside another) keeps one process. Always
+    one for models on a GPU (`device`): CUDA cannot run in a child forked after it started."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return 1
     return max(1, min(owned, usable_cores(), capped(owned)) // max(1, per_process))
 
 

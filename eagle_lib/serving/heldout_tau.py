@@ -91,7 +91,9 @@ class Decoder:
             machine.decoding_threads() as want
         ):  # one thread decodes faster; the rest of `owned` in more processes
             how = (temperature, top_p, draft, reps, seed)
-            self._decode(runner, drafter, how, num, den, gens, machine.decoding_processes(owned, want))
+            self._decode(
+                runner, drafter, how, num, den, gens, machine.decoding_processes(owned, want, runner.device)
+            )
         runner.cache = None  # free the target's KV cache
         ratio = tables.cost_ratio(gens)
         self.cost_ratio = float("nan") if ratio is None else ratio

@@ -39,3 +39,15 @@ def test_a_childs_exception_is_raised_here_and_a_dead_child_is_named():
 def test_nested_calls_are_refused():
     with pytest.raises(RuntimeError, match="nested"):
         forked.forked_map(lambda i: forked.forked_map(lambda j: j, 2, 2), 2, 2)
+
+
+def test_decoding_processes_follow_the_threads_held_the_cores_the_cap_and_stay_one_on_a_gpu(monkeypatch):
+    from eagle_lib.engines import machine
+
+    monkeypatch.setattr(machine, "usable_cores", lambda: 4)
+    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)
+    got = [machine.decoding_processes(owned, per) for owned, per in ((4, 1), (2, 1), (4, 2), (1, 1), (8, 1))]
+    assert got == [4, 2, 2, 1, 4]  # threads held // threads a decode, within the 4 cores
+    assert machine.decoding_processes(4, 1, "cuda:0") == 1  # CUDA cannot run in a forked child
+    monkeypatch.setenv("EAGLE_MAX_THREADS", "1")
+    assert machine.decoding_processes(4, 1) == 1  # the suite's workers, a shared machine
