@@ -63,23 +63,17 @@ class Meter:
         drafter.eval()
         runner = specdec.TargetRunner(self.target, self.aux_layers)
         owned = torch.get_num_threads()  # the training step's: threads_alone once no producer runs
-        with (
-            torch.no_grad(),
-            machine.decoding_threads() as want,
-        ):  # one thread a decode, the rest in processes
 
-            def one(i: int) -> list[int]:
-                ids = self.prompts[i]
-                return specdec.speculative_generate(
-                    runner, specdec.EagleProposer(drafter), ids, self.max_new_tokens, self.k, self.eos_ids
-                ).accepted
+        def one(i: int) -> list[int]:
+            ids = self.prompts[i]
+            return specdec.speculative_generate(
+                runner, specdec.EagleProposer(drafter), ids, self.max_new_tokens, self.k, self.eos_ids
+            ).accepted
 
-            runs = forked.forked_map(
-                one,
-                len(self.prompts),
-                machine.decoding_processes(owned, want, runner.device),
-                "05's measured tau",
-            )
+        # one thread a decode (not the training step's threads_alone), the rest of `owned` in more processes
+        with torch.no_grad(), machine.decoding_threads() as want:
+            procs = machine.decoding_processes(owned, want, runner.device)
+            runs = forked.forked_map(one, len(self.prompts), procs, "05's measured tau")
         accepted = [a for run in runs for a in run]
         runner.cache = None  # free the target's KV cache between measurements
         drafter.train(was_training)

@@ -87,13 +87,10 @@ class Decoder:
         num, den = np.zeros(len(self.prompts)), np.zeros(len(self.prompts))
         gens, self.generations = [], []
         owned = torch.get_num_threads()  # what the stage holds (07: the training step's threads_alone)
-        with (
-            machine.decoding_threads() as want
-        ):  # one thread decodes faster; the rest of `owned` in more processes
-            how = (temperature, top_p, draft, reps, seed)
-            self._decode(
-                runner, drafter, how, num, den, gens, machine.decoding_processes(owned, want, runner.device)
-            )
+        # one thread decodes faster; the rest of `owned` decodes in more processes
+        with machine.decoding_threads() as want:
+            procs = machine.decoding_processes(owned, want, runner.device)
+            self._decode(runner, drafter, (temperature, top_p, draft, reps, seed), num, den, gens, procs)
         runner.cache = None  # free the target's KV cache
         ratio = tables.cost_ratio(gens)
         self.cost_ratio = float("nan") if ratio is None else ratio
