@@ -7,7 +7,8 @@ cores one of them idled while it decoded. A forked child inherits the parent's m
 target, the drafter just trained), copy-on-write, so nothing is pickled but the item indices and the results.
 
 Each item is computed exactly as in the parent (the same function, weights and thread count), so the results are
-the parent's own, bit for bit, whatever the number of processes (`tests/unit/test_forked.py`). The children inherit
+the parent's own, bit for bit, whatever the number of processes (tests/unit/test_value.py, test_measure.py and
+test_acceptance.py decode with one and two processes and compare; test_forked.py: order, errors). The children inherit
 torch's thread count as the parent set it (`decoding_threads` sets it before the call); a forked child must not
 enter a multi-threaded OpenMP region its parent's threads were running (GNU OpenMP is not fork-safe), so callers
 fork only on one thread a child.
