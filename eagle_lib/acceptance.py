@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 import pandas as pd
 from pydantic import model_validator
 
-from eagle_lib import forked, params, store
+from eagle_lib import forked, params, progress, store
 from eagle_lib.data import evalsets
 from eagle_lib.data.evalsets import Prompt
 from eagle_lib.engines import machine
@@ -271,9 +271,15 @@ def decode_offline(
             })  # fmt: skip
         return recs
 
+    bar, ended = progress.Progress("offline decoding", len(jobs), "prompts"), []
+
+    def count(i: int, _recs) -> None:  # a line at most every 15 s, with the time left
+        ended.append(i)
+        bar.update(len(ended), f"T={jobs[i][0]:g}")
+
     gens = []
     for recs in forked.forked_map(
-        one, len(jobs), offline_processes(p, runners[False].device), "06's offline decoding"
+        one, len(jobs), offline_processes(p, runners[False].device), "06's offline decoding", done=count
     ):
         store.append_jsonl(out, recs, fsync=False)
         gens += recs

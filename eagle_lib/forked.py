@@ -29,14 +29,26 @@ def _run(i: int) -> Any:
     return _CALL(i)
 
 
-def forked_map(fn: Callable[[int], Any], n: int, processes: int, what: str = "job") -> list:
+def forked_map(
+    fn: Callable[[int], Any],
+    n: int,
+    processes: int,
+    what: str = "job",
+    done: Callable[[int, Any], None] | None = None,
+) -> list:
     """[fn(0), ..., fn(n - 1)]: in this process when `processes` <= 1 or n <= 1 (or on a system without fork),
     otherwise by min(processes, n) forked children, each taking the next index as it finishes one (chunks of one,
-    so long and short items balance). `fn`'s results must pickle. A child's exception is raised here; a child that
-    dies (killed, out of memory) raises RuntimeError naming `what`."""
+    so long and short items balance). `fn`'s results must pickle. `done(i, result)` runs here as each item ends (in
+    the order they end: progress lines). A child's exception is raised here (the items not yet begun are dropped);
+    a child that dies (killed, out of memory) raises RuntimeError naming `what`."""
     global _CALL
     if processes <= 1 or n <= 1 or not hasattr(os, "fork"):
-        return [fn(i) for i in range(n)]
+        results = []
+        for i in range(n):
+            results.append(fn(i))
+            if done is not None:
+                done(i, results[-1])
+        return results
     if _CALL is not None:
         raise RuntimeError(
             f"forked_map for {what}: already inside a forked_map (nested calls are not supported)"
@@ -45,7 +57,18 @@ def forked_map(fn: Callable[[int], Any], n: int, processes: int, what: str = "jo
     try:
         ctx = multiprocessing.get_context("fork")
         with cf.ProcessPoolExecutor(min(processes, n), mp_context=ctx) as pool:
-            return list(pool.map(_run, range(n)))
+            futures = {pool.submit(_run, i): i for i in range(n)}  # queued in index order, as map queues them
+            results: list = [None] * n
+            try:
+                for f in cf.as_completed(futures):
+                    i = futures[f]
+                    results[i] = f.result()
+                    if done is not None:
+                        done(i, results[i])
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            return results
     except cf.process.BrokenProcessPool as e:
         raise RuntimeError(
             f"forked_map for {what}: a worker process died ({e}); rerun with one process (EAGLE_MAX_THREADS=1) "

@@ -63,6 +63,9 @@ class Params(params.Strict):
     step_scale: float = (
         1.0  # multiplies the steps of every arm (< 1: a cheaper study; 1.0 reuses the 05 drafter)
     )
+    arm_processes: int = 0  # arms trained at once, each in a forked process on one thread; 0: one per thread
+    # the training step holds alone (threads_alone: 2 on a 2-core host, 1 under EAGLE_MAX_THREADS=1); 1: one at a
+    # time on the step's threads (the bits of runs before side-by-side training)
     reuse_05_drafter: bool = (
         True  # fraction 1.0 uses the final 05 drafter when the recipe would give the same one
     )
@@ -113,6 +116,8 @@ class Params(params.Strict):
             raise ValueError(
                 "lodo_fraction and regen_fraction must be in (0, 1], multiturn_base_fraction in [0, 1], step_scale > 0"
             )
+        if self.arm_processes < 0:
+            raise ValueError(f"arm_processes must be >= 0 (0: as the cores allow), got {self.arm_processes}")
         if self.noise_seeds < 0 or (
             self.noise_fractions is not None and not set(self.noise_fractions) <= set(self.fractions)
         ):

@@ -206,6 +206,7 @@ def study(st, p):
     else:
         eos = models.stop_ids(tok, st.decoder.target)
         dec = heldout_tau.Decoder(st.decoder.target, prompts, p.eval_max_new_tokens, p.num_steps, eos)
+    st.train_side_by_side([("single_turn", base + single, None), ("multi_turn", base + multi, None)])
     st.arm("single_turn", "multiturn", base + single, decoder=dec)
     st.arm("multi_turn", "multiturn", base + multi, decoder=dec)
     tally |= {"eval_prompts": dict(Counter(q.dataset for q in prompts)), "arm_tokens": subsets.tokens(single)}

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eagle_lib import models, params, progress, store
+from eagle_lib import forked, models, params, progress, store
 from eagle_lib.data import subsets
 from eagle_lib.data_value import curve as curves
 from eagle_lib.data_value import value_tables as tables
 from eagle_lib.drafter import retrain
 from eagle_lib.drafter import trainer as loop
+from eagle_lib.engines import machine
 from eagle_lib.serving import heldout_tau
 
 STAGE = "07_data_value"
@@ -49,6 +50,8 @@ class Study:
         self.groups = subsets.by_dataset(self.train_seqs, self.names, cfg.shared.seed)
         self.total = subsets.tokens(self.train_seqs)
         self.steps05 = self.trainer.full_steps(self.train_seqs)
+        self.arm_processes = arm_processes(cfg.stage, self.trainer)
+        self.side_by_side: dict[str, float] = {}  # key -> seconds of the arm's training in a forked process
         self.decoder = self._decoder(cfg, held)
         self.arms: dict[str, dict] = {}
         self.noise = curves.NO_NOISE  # training noise, once the curve's seed replicates measured it
@@ -94,7 +97,48 @@ class Study:
         what = {"recipe": self.recipe, "shared": shared, "ids": ids, "s": (steps, warmup)}
         if seed is not None:  # a seed replicate (05's own seed keeps the keys of earlier runs)
             what["seed"] = seed
+        if self.arm_processes > 1:  # one thread an arm: other bits than the training step's threads give
+            what["threads"] = 1
         return store.stable_hash(what)
+
+    def _train(self, seqs: list, steps: int, warmup: int, key: str, seed: int | None):
+        """Trains and saves one arm's drafter under drafters/<key>/ (one thread when arms train side by side, in
+        this process too, so that an arm's bits do not depend on which others the cache held); its training log."""
+        from eagle_lib.drafter.model import save_drafter
+
+        ddir = self.out / "drafters" / key
+        threads = 1 if self.arm_processes > 1 else None
+        drafter, log = self.trainer.train(seqs, steps, warmup, ddir, key, seed, threads=threads)
+        save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
+        return drafter, log
+
+    def train_side_by_side(self, arms: list[tuple[str, list, int | None]]) -> None:
+        """Trains the drafters of `arms` ((name, sequences, seed) each, as `arm` takes them) that no earlier run
+        cached, `arm_processes` at a time, each in a forked process on one thread, the longest first; `arm` then
+        finds them trained. Nothing when one process is allowed (`arm` trains each on the step's threads)."""
+        if self.arm_processes <= 1:
+            return
+        todo: dict[str, tuple] = {}
+        for name, seqs, seed in arms:
+            steps, warmup = self.schedule(seqs)
+            key = self.key(seqs, steps, warmup, seed)
+            if key not in todo and not (self.out / "drafters" / key / "model.safetensors").exists():
+                todo[key] = (name, seqs, steps, warmup, seed)
+        keys = sorted(todo, key=lambda k: -todo[k][2])  # longest first: the last ones to end are short
+        bar = progress.Progress("side-by-side training", len(keys), "arms", every_s=0)
+
+        def one(i: int) -> float:
+            _, seqs, steps, warmup, seed = todo[keys[i]]
+            t0 = time.time()
+            self._train(seqs, steps, warmup, keys[i], seed)
+            return time.time() - t0
+
+        def ended(i: int, seconds: float) -> None:
+            self.side_by_side[keys[i]] = seconds
+            name, _, steps, _, _ = todo[keys[i]]
+            bar.update(len(self.side_by_side), f"{name}: {steps} steps in {seconds:.0f} s")
+
+        forked.forked_map(one, len(keys), self.arm_processes, "07's arms", done=ended)
 
     def arm(
         self,
@@ -109,7 +153,7 @@ class Study:
         `seed` (default 05's) trains a seed replicate: the same recipe and data, another initialisation and
         batch order."""
         decoder = decoder or self.decoder
-        from eagle_lib.drafter.model import load_drafter, save_drafter
+        from eagle_lib.drafter.model import load_drafter
 
         steps, warmup = self.schedule(seqs)
         key, t0 = self.key(seqs, steps, warmup, seed), time.time()
@@ -117,11 +161,10 @@ class Study:
         if reuse_dir is not None:
             drafter, how = load_drafter(reuse_dir, device=self.trainer.device), "05's final drafter"
         elif (ddir / "model.safetensors").exists():
-            drafter, how = load_drafter(ddir, device=self.trainer.device), "cached"
+            drafter = load_drafter(ddir, device=self.trainer.device)
+            how = "trained side by side" if key in self.side_by_side else "cached"
         else:
-            drafter, log = self.trainer.train(seqs, steps, warmup, ddir, key, seed)
-            save_drafter(drafter, ddir, {"training": {"steps": steps, "warmup": warmup, "log": log}})
-            how = "trained"
+            drafter, how = self._train(seqs, steps, warmup, key, seed)[0], "trained"
         eval_key = store.stable_hash(
             {"d": key if reuse_dir is None else reused_id(reuse_dir), "e": self._eval_id(decoder)}
         )
@@ -134,6 +177,7 @@ class Study:
             "arm": name, "study": study, "sequences": len(seqs), "tokens": subsets.tokens(seqs),
             "label_tokens": sum(sum(s.loss_mask) for s in seqs), "steps": steps, "drafter": how, "key": key,
             "seed": self.cfg.shared.seed if seed is None else seed, "seconds": time.time() - t0,
+            "train_seconds": self.side_by_side.get(key),
         }  # fmt: skip
         self.arms[name] = info
         tau = decoder.sums.tau(name)
@@ -168,6 +212,23 @@ def reused_id(drafter_dir: Path) -> dict:
     return {"dir": str(drafter_dir), "weights": digest.hexdigest()}
 
 
+def arm_processes(p, trainer: retrain.Trainer) -> int:
+    """How many of 07's arms train at once, each in a forked one-thread process (`Study.train_side_by_side`):
+    `p.arm_processes`, or with 0 one per thread the training step holds alone (threads_alone, else 05's
+    num_threads rule), within the cores and `EAGLE_MAX_THREADS` (`machine.decoding_processes`). One (each arm on
+    the step's threads, as before) for a drafter on a GPU and for a source whose producers serve one training at
+    a time (vllm)."""
+    if p.arm_processes == 1 or getattr(trainer.source, "producing", None) is not None:
+        return 1
+    if trainer.device.type != "cpu":
+        return 1
+    if p.arm_processes > 1:
+        return machine.capped(p.arm_processes)
+    tp = trainer.p
+    owned = machine.capped(tp.threads_alone) if tp.threads_alone > 0 else machine.cpu_threads(tp.num_threads)
+    return machine.decoding_processes(owned, 1, trainer.device)
+
+
 def planned_arms(p, groups: dict) -> int:
     """How many arms the studies `p` turns on will run on datasets `groups` (the progress lines' total): the
     curve's fractions and their seed replicates, the leave-out reference and its leave-outs, and a pair each for
@@ -196,16 +257,20 @@ def seed_names(f: float, p) -> list[str]:
 def curve(st: Study, p) -> tuple[pd.DataFrame, curves.Curve]:
     fr = sorted(set(p.fractions))
     reuse = st.recipe.get("final_checkpoint", "last") == "last" and p.step_scale == 1.0 and p.reuse_05_drafter
-    seed = st.cfg.shared.seed
+    seed, plan = st.cfg.shared.seed, []  # (name, sequences, seed, 05's drafter to reuse)
     for f in fr:
         final = st.cfg.out("drafter", "final")
-        sub = subsets.fraction_subset(st.groups, f)
-        st.arm(f"{f:g}", "curve", sub, final if f == 1.0 and reuse else None)
+        plan.append(
+            (f"{f:g}", subsets.fraction_subset(st.groups, f), None, final if f == 1.0 and reuse else None)
+        )
         # retraining noise: other seeds, each on another draw of the training set (noise_resample)
         for r, name in enumerate(seed_names(f, p)[1:], start=1):
             rseed = seed + SEED_STRIDE * r
             draw = subsets.resampled(st.groups, rseed) if p.noise_resample else st.groups
-            st.arm(name, "curve", subsets.fraction_subset(draw, f), seed=rseed)
+            plan.append((name, subsets.fraction_subset(draw, f), rseed, None))
+    st.train_side_by_side([(name, seqs, s) for name, seqs, s, reused in plan if reused is None])
+    for name, seqs, s, reused in plan:
+        st.arm(name, "curve", seqs, reused, seed=s)
     arms = {f: seed_names(f, p) for f in fr}
     names = [n for ns in arms.values() for n in ns]
     ends = np.cumsum([len(ns) for ns in arms.values()])
@@ -229,9 +294,11 @@ def lodo(st: Study, p) -> pd.DataFrame:
         raise params.ParamsError(f"{STAGE}: lodo_units name datasets with no training data: {missing}")
     budget = round(p.lodo_fraction * st.total)
     ref = f"lodo:all@{p.lodo_fraction:g}"
-    st.arm(ref, "lodo", subsets.fraction_subset(st.groups, p.lodo_fraction))
-    for u, ds in units.items():
-        st.arm(f"lodo:-{u}", "lodo", subsets.leave_out(st.groups, set(ds), budget))
+    plan = [(ref, subsets.fraction_subset(st.groups, p.lodo_fraction), None)]
+    plan += [(f"lodo:-{u}", subsets.leave_out(st.groups, set(ds), budget), None) for u, ds in units.items()]
+    st.train_side_by_side(plan)
+    for name, seqs, _ in plan:
+        st.arm(name, "lodo", seqs)
     return tables.value_table(st, ref, {u: f"lodo:-{u}" for u in units}, units, p)
 
 
@@ -251,6 +318,7 @@ def regen(st: Study, p) -> tuple[pd.DataFrame, dict]:
     if not orig:
         return pd.DataFrame(), tally
     regen, orig = subsets.equalize(regen, orig, st.cfg.shared.seed)
+    st.train_side_by_side([("regenerated", regen, None), ("original", orig, None)])
     st.arm("regenerated", "regen", regen)
     st.arm("original", "regen", orig)
     return tables.pair_table(st, "regenerated", "original", p), tally

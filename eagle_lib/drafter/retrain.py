@@ -127,12 +127,20 @@ class Trainer:
         work_dir: Path,
         key: str,
         seed: int | None = None,
+        threads: int | None = None,
     ):
         """A fresh drafter trained on `seqs` for `steps` optimizer steps by 05's loop, checkpointing (and
         resuming) under `work_dir` keyed by `key`; (drafter in eval mode, per-step log). `seed` (default 05's)
         seeds the initialisation and the batch order: another seed is another training run of the same recipe on
-        the same data. The checkpoints are removed once the drafter is trained."""
-        p = self.p.model_copy(update={"stop_after_steps": 0})
+        the same data. `threads` (default the recipe's num_threads / threads_alone) sets torch's threads for every
+        step. The checkpoints are removed once the drafter is trained."""
+        import torch
+
+        update = {"stop_after_steps": 0}
+        if threads is not None:
+            update |= {"num_threads": threads, "threads_alone": threads}
+            torch.set_num_threads(threads)
+        p = self.p.model_copy(update=update)
         seed = self.shared.seed if seed is None else seed
         drafter = self.new_drafter(seqs, seed)
         if hasattr(self.source, "prepare"):  # vllm: produce what 05 did not keep, in one producer session

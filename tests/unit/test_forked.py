@@ -51,3 +51,17 @@ def test_decoding_processes_follow_the_threads_held_the_cores_the_cap_and_stay_o
     assert machine.decoding_processes(4, 1, "cuda:0") == 1  # CUDA cannot run in a forked child
     monkeypatch.setenv("EAGLE_MAX_THREADS", "1")
     assert machine.decoding_processes(4, 1) == 1  # the suite's workers, a shared machine
+
+
+def test_done_runs_here_once_per_item_as_each_ends():
+    """`done(i, result)`: the progress lines of a long map. It runs in this process (it may print or keep state),
+    once per item, with that item's result, whether the items ran here or in children."""
+    for processes in (1, 2):
+        seen: list = []
+
+        def note(i, r, seen=seen):
+            seen.append((i, r, os.getpid()))
+
+        got = forked.forked_map(lambda i: i * 10, 5, processes, done=note)
+        assert got == [0, 10, 20, 30, 40]
+        assert sorted(seen) == [(i, i * 10, os.getpid()) for i in range(5)]

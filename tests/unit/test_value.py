@@ -199,6 +199,7 @@ def test_a_replicate_trains_on_another_draw_of_its_training_set(trained):
                 shared=types.SimpleNamespace(seed=0), out=lambda *a: run / "drafter" / "final"
             ),
             groups=groups,
+            train_side_by_side=lambda arms: None,  # (its own test below)
             arm=lambda name, study, sub, reuse=None, seed=None: got.__setitem__(
                 name, (sorted(s.id for s in sub), seed)
             ),
@@ -292,3 +293,88 @@ def test_two_decode_processes_give_the_one_process_sums_bit_for_bit(trained, mon
         assert {t for _, t in calls1 + calls2} == {1}
         assert two == one, how
         assert len(calls2) == len(prompts) * how.get("reps", 1)
+
+
+def test_arm_processes_one_per_thread_the_step_holds_alone_and_one_where_it_cannot_fork(monkeypatch):
+    """07's side-by-side arms: as many one-thread processes as threads_alone holds (else 05's num_threads rule),
+    within the cores and EAGLE_MAX_THREADS; one for a drafter on a GPU, for producers that serve one training at
+    a time (vllm) and where the params ask for one."""
+    from types import SimpleNamespace
+
+    from eagle_lib import value
+    from eagle_lib.data_value import value_study
+    from eagle_lib.engines import machine
+
+    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+
+    def procs(threads_alone=2, num_threads=0, device="cpu", source=None, **p):
+        tr = SimpleNamespace(p=SimpleNamespace(threads_alone=threads_alone, num_threads=num_threads),
+                             device=torch.device(device), source=source or object())  # fmt: skip
+        return value_study.arm_processes(value.Params(**p), tr)
+
+    assert procs() == 2  # the toy's 05 recipe on a 2-core host
+    assert procs(threads_alone=0) == 1  # 05's rule: half the cores
+    assert procs(threads_alone=0, num_threads=2) == 2
+    assert procs(arm_processes=1) == 1
+    assert procs(device="cuda") == 1
+    assert procs(source=SimpleNamespace(producing=lambda: False)) == 1
+    monkeypatch.setattr(machine, "usable_cores", lambda: 4)
+    assert procs(threads_alone=4) == 4 and procs(arm_processes=3) == 3
+    monkeypatch.setenv("EAGLE_MAX_THREADS", "1")  # the suite's workers
+    assert procs(threads_alone=4) == 1 and procs(arm_processes=3) == 1
+    with pytest.raises(ValueError, match="arm_processes"):
+        value.Params(arm_processes=-1)
+
+
+def test_arms_trained_side_by_side_are_the_one_thread_drafters_of_this_process(
+    trained, tmp_path, monkeypatch
+):
+    """On a 2-core host 07 trains its arms two at a time, each in a forked process on one thread, while this
+    process holds two: every drafter must be, bit for bit, the one Trainer.train makes here on one thread (the
+    reference), each arm must have trained in a child on one thread, and a second call must find them all cached."""
+    import os
+
+    from eagle_lib import params, value
+    from eagle_lib.data_value import value_study
+    from eagle_lib.engines import machine
+
+    monkeypatch.delenv("EAGLE_MAX_THREADS", raising=False)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    run, cfg, _ = trained
+    shutil.copytree(run, tmp_path / "run")  # 07 writes value/ into the run
+    cfg07 = params.StageConfig("07_data_value", tmp_path / "run", cfg.shared, value.Params(arm_processes=2))
+    st = value_study.Study(cfg07)
+    assert st.arm_processes == 2
+    half = subsets.fraction_subset(st.groups, 0.5)
+    arms = [("0.5", half, None), ("0.5@seed+1", subsets.fraction_subset(subsets.resampled(st.groups, 7), 0.5), 7),
+            ("1", subsets.fraction_subset(st.groups, 1.0), None), ("0.5 again", half, None)]  # fmt: skip
+    calls, real = tmp_path / "calls.txt", st.trainer.train
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        with calls.open("a") as f:
+            f.write(f"{os.getpid()} {sorted({r['threads'] for r in out[1]})}\n")
+        return out
+
+    monkeypatch.setattr(st.trainer, "train", spy)
+    torch.set_num_threads(2)
+    try:
+        st.train_side_by_side(arms)
+    finally:
+        torch.set_num_threads(1)
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 3  # "0.5 again" is "0.5": trained once
+    assert all(line.split(" ", 1)[1] == "[1]" for line in lines)
+    assert str(os.getpid()) not in {line.split()[0] for line in lines}
+    assert len(st.side_by_side) == 3
+    for name, seqs, seed in arms[:3]:
+        steps, warm = st.schedule(seqs)
+        key = st.key(seqs, steps, warm, seed)
+        got = load_drafter(st.out / "drafters" / key).state_dict()
+        ref, _ = real(seqs, steps, warm, tmp_path / "ref" / name, "ref", seed, threads=1)
+        assert torch.get_num_threads() == 1
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"{name}: {k}")
+    st.train_side_by_side(arms)
+    assert len(calls.read_text().splitlines()) == 3  # all cached
