@@ -17,7 +17,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from eagle_lib.data import chat, formats
 from eagle_lib.toy import datasets as toy_data
-from eagle_lib.toy import mini_kimi
+from eagle_lib.toy import kimi_tokenizer
 from eagle_lib.toy import tokenizer as toy_tok
 from tests.support import templates as T
 
@@ -28,7 +28,7 @@ TOOLS = T.TOOLS
 def _mini_kimi_marked() -> str:
     """The mini-Kimi template (Kimi-K2.5's thinking rules on the toy's) with generation markers: the toy's marked
     copy with mini-Kimi's edits, its marker moved past the <think> that the generation prompt now writes."""
-    t = mini_kimi.kimi_template(T.kimi_marked())
+    t = kimi_tokenizer.kimi_template(T.kimi_marked())
     old = "assistant<|im_middle|>" + T.G + "<think>"
     assert t.count(old) == 1
     return t.replace(old, "assistant<|im_middle|><think>" + T.G)

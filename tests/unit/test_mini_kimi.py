@@ -17,7 +17,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from eagle_lib.data import chat, multiturn
 from eagle_lib.engines import turns
-from eagle_lib.toy import datasets, kimi_data, mini_kimi, target
+from eagle_lib.toy import datasets, kimi_data, kimi_tokenizer, mini_kimi, target
 from eagle_lib.toy.kimi_remote import tokenization_kimi
 from tests.support import templates as T
 
@@ -38,8 +38,8 @@ def convs(n: int = 12) -> list[dict]:
 def built(tmp_path_factory) -> tuple[Path, list[bytes]]:
     out = tmp_path_factory.mktemp("mini_kimi_tok")
     corpus = [s for c in convs(40) for s in datasets.string_leaves(c)]
-    ranks = mini_kimi.train_ranks(corpus, 1500)
-    mini_kimi.write_tokenizer(out, ranks, 8192)
+    ranks = kimi_tokenizer.train_ranks(corpus, 1500)
+    kimi_tokenizer.write_tokenizer(out, ranks, 8192)
     return out, ranks
 
 
@@ -53,7 +53,7 @@ def reference(built) -> tiktoken.Encoding:
     """tiktoken itself over the same ranks and specials: the independent encoder the HF class must agree with."""
     ranks = tokenization_kimi.load_ranks(str(built[0] / "tiktoken.model"))
     return tiktoken.Encoding(name="ref", pat_str=tokenization_kimi.PAT_STR, mergeable_ranks=ranks,
-                             special_tokens=mini_kimi.special_names())  # fmt: skip
+                             special_tokens=kimi_tokenizer.special_names())  # fmt: skip
 
 
 def test_loads_as_remote_code_with_kimis_vocabulary_and_special_ids(tok):
@@ -61,7 +61,7 @@ def test_loads_as_remote_code_with_kimis_vocabulary_and_special_ids(tok):
     assert len(tok) == 163840
     assert {name: tok.convert_tokens_to_ids(name) for name in KIMI_IDS} == KIMI_IDS
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (163584, 163585, 163839)
-    assert tok.chat_template == mini_kimi.MINI_KIMI_TEMPLATE
+    assert tok.chat_template == kimi_tokenizer.MINI_KIMI_TEMPLATE
 
 
 def test_encoding_equals_tiktoken_and_round_trips(tok, reference):
@@ -85,7 +85,7 @@ def test_ids_above_the_trained_bpe_are_unreachable(tok, built, reference):
 def marked_template() -> str:
     """The mini-Kimi template with generation markers: what the model writes starts after the <think> that the
     generation prompt wrote (the toy's marked copy, given mini-Kimi's edits, its marker moved past <think>)."""
-    t = mini_kimi.kimi_template(T.kimi_marked())
+    t = kimi_tokenizer.kimi_template(T.kimi_marked())
     old = "assistant<|im_middle|>" + T.G + "<think>"
     assert t.count(old) == 1
     return t.replace(old, "assistant<|im_middle|><think>" + T.G)
@@ -252,7 +252,7 @@ def test_each_turn_with_thinking_off_and_with_the_toy_template(tok):
 def test_remote_code_imports_only_what_a_hub_repo_may():
     """The files land in the world dir and run as hub code: stdlib, transformers, tiktoken, each other."""
     allowed = {"__future__", "base64", "os", "shutil", "tiktoken", "transformers"}
-    for path in sorted(mini_kimi.REMOTE_DIR.glob("*.py")):
+    for path in sorted(kimi_tokenizer.REMOTE_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name.split(".")[0] for a in node.names]
@@ -309,4 +309,4 @@ def test_expanded_head_has_the_compact_distribution():
     for t in (300, 4000, 163583):
         assert torch.allclose(p_full[:, t], torch.exp(logits[:, cmp.junk] - z), rtol=1e-4)
     assert torch.allclose(p_full.sum(-1), torch.ones(6, dtype=torch.float64), atol=1e-5)
-    assert json.dumps(mini_kimi.special_names()["</think>"]) == "163607"
+    assert json.dumps(kimi_tokenizer.special_names()["</think>"]) == "163607"
