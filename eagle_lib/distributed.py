@@ -37,7 +37,7 @@ def launched() -> bool:
 
 
 # Collectives wait at most this long: longer than any wait of one rank between two collectives, the longest
-# being the vllm hidden source's wait for a producer's unit (`hidden_states.engine_hidden.PRODUCER_WAIT_S`, which
+# being the vllm hidden source's wait for a producer's unit (`hidden_states.producer_procs.PRODUCER_WAIT_S`, which
 # is derived from this); NCCL's default (10 min) would abort a job whose producer is merely slow.
 PROCESS_GROUP_TIMEOUT_S = 2 * 3600.0
 

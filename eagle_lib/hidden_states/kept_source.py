@@ -24,7 +24,7 @@ import torch
 
 from eagle_lib import models
 from eagle_lib.data import batches
-from eagle_lib.hidden_states import engine_hidden, hidden
+from eagle_lib.hidden_states import engine_hidden, hidden, producer_procs
 from eagle_lib.hidden_states import hidden_buffer as hb
 from eagle_lib.hidden_states.hidden_store import HiddenStore, assemble, identity
 
@@ -32,7 +32,7 @@ ARGMAX_CACHE_TOKENS = 64 << 20  # sequences' target argmax kept in memory (8 byt
 
 
 def _close(procs: list, buf: Path, session: str) -> None:
-    engine_hidden.stop(procs, buf / f"STOP.{session}")
+    producer_procs.stop(procs, buf / f"STOP.{session}")
     shutil.rmtree(buf, ignore_errors=True)
 
 
@@ -143,10 +143,10 @@ class KeptSource:
         hb.write_json(self.buf / "plan.json", {"units": self.plan})
         if r["start_producers"] and all(p.poll() is not None for p in self.procs):
             n, cpu = r["num_producers"], self.device.type == "cpu"
-            self.procs[:] = [engine_hidden.launch(self.buf, i, n, self.session, cpu) for i in range(n)]
+            self.procs[:] = [producer_procs.launch(self.buf, i, n, self.session, cpu) for i in range(n)]
             self.stats["producer_sessions"] += 1
-        elif not r["start_producers"] and not (self.buf / engine_hidden.COMMAND_FILE).exists():
-            engine_hidden.external_producers(self.buf, r["num_producers"])
+        elif not r["start_producers"] and not (self.buf / producer_procs.COMMAND_FILE).exists():
+            producer_procs.external_producers(self.buf, r["num_producers"])
             self.stats["producer_sessions"] += 1
         return first
 
@@ -175,7 +175,7 @@ class KeptSource:
         first = self._append(units, tokens)
         for j, unit in enumerate(units):
             path = self.buf / hb.unit_name(first + j)
-            engine_hidden.wait_for(path, self.procs, self.buf)
+            producer_procs.wait_for(path, self.procs, self.buf)
             hb.write_json(self.buf / "cursor.json", {"next": first + j + 1})  # before the move, as _consumed
             self.added_bytes += path.stat().st_size
             kept.add(path, unit, [len(tokens[k]) for k in unit])
@@ -217,7 +217,7 @@ class KeptSource:
         u, _, make = self.queue[at]
         del self.queue[: at + 1]
         path = self.buf / hb.unit_name(u)
-        engine_hidden.wait_for(path, self.procs, self.buf)
+        producer_procs.wait_for(path, self.procs, self.buf)
         data = load_file(str(path))
         hs = hb.decode(data["hidden_states"], data.get("scale"))
         self._consumed(u, path)

@@ -392,7 +392,7 @@ def main(argv: list[str]) -> None:
 
 
 def record_failure(buf: Path, index: int, err: BaseException) -> None:
-    """producer_<index>.json says ``failed`` with the error and its traceback's tail (`engine_hidden.wait_for`
+    """producer_<index>.json says ``failed`` with the error and its traceback's tail (`producer_procs.wait_for`
     reads it: a rank waiting on external producers stops at once instead of after PRODUCER_WAIT_S)."""
     import traceback
 

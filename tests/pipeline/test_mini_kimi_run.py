@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from eagle_lib import store
-from eagle_lib.hidden_states import engine_hidden
+from eagle_lib.hidden_states import producer_procs
 from eagle_lib.pipeline import REPO_ROOT, run_pipeline
 from tests.support import sglang_standin
 
@@ -54,7 +54,7 @@ class Producers:
 
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **cpu_env(kv_cache_gib=1, threads=1)}
         while not self.stop.wait(0.5):
-            for cmd_file in self.root.rglob(engine_hidden.COMMAND_FILE) if self.root.exists() else []:
+            for cmd_file in self.root.rglob(producer_procs.COMMAND_FILE) if self.root.exists() else []:
                 try:
                     if cmd_file.stat().st_mtime_ns < self.since:
                         continue
@@ -230,7 +230,7 @@ def test_05_trains_on_producers_started_by_hand_fsdp_bf16(mini_run):
         assert stats["state"] == "done" and 0 < stats["peak_buffer_bytes"] <= bound // 2
         assert json.loads((r / "producer_config.json").read_text())["max_buffer_bytes"] == bound // 2
         peaks.append(stats["peak_buffer_bytes"])
-        assert (r / engine_hidden.COMMAND_FILE).read_text().startswith(".venv-vllm/bin/python -m eagle_lib")
+        assert (r / producer_procs.COMMAND_FILE).read_text().startswith(".venv-vllm/bin/python -m eagle_lib")
     assert sum(peaks) <= bound  # max_buffer_gb bounds the run, not each rank
     for fmt in ("sglang", "speculators"):
         cfg = json.loads((mini_run / "drafter" / "export" / fmt / "config.json").read_text())

@@ -1,5 +1,5 @@
 """The vllm hidden source's producer without vLLM: an engine answering ``prefill`` from transformers, and a
-producer run in a thread where the stage would start a vLLM process (`engine_hidden.launch`)."""
+producer run in a thread where the stage would start a vLLM process (`producer_procs.launch`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def assert_matches_online(src, model, aux: list[int], batches, delay_s: float = 
         online.close()
 
 
-NO_SUCH_PGID = 2**30  # above any pid_max: engine_hidden.stop's killpg on it finds no process
+NO_SUCH_PGID = 2**30  # above any pid_max: producer_procs.stop's killpg on it finds no process
 
 
 class HFEngine:
@@ -62,7 +62,7 @@ class HFEngine:
 
 
 class ThreadProducer:
-    """A `vllm_producer.Producer` in a thread, with the Popen methods `engine_hidden` uses."""
+    """A `vllm_producer.Producer` in a thread, with the Popen methods `producer_procs` uses."""
 
     pid = NO_SUCH_PGID
 
@@ -89,17 +89,17 @@ class ThreadProducer:
 
 
 def patch(monkeypatch, model) -> list[ThreadProducer]:
-    """Route `engine_hidden.launch` to thread producers computing with `model`; returns the started ones."""
-    from eagle_lib.hidden_states import engine_hidden
+    """Route `producer_procs.launch` to thread producers computing with `model`; returns the started ones."""
+    from eagle_lib.hidden_states import producer_procs
 
     started: list[ThreadProducer] = []
     monkeypatch.setattr(
         vllm_producer, "make_engine", lambda cfg, scratch: HFEngine(model, cfg["layer_ids"], scratch)
     )
 
-    def launch(buf, i, n, session, cpu, plan_session=""):  # engine_hidden.launch's signature
+    def launch(buf, i, n, session, cpu, plan_session=""):  # producer_procs.launch's signature
         started.append(ThreadProducer(buf, i, n, session, plan_session))
         return started[-1]
 
-    monkeypatch.setattr(engine_hidden, "launch", launch)
+    monkeypatch.setattr(producer_procs, "launch", launch)
     return started

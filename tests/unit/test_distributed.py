@@ -96,7 +96,7 @@ def test_process_group_outlives_the_longest_wait_for_a_producer(monkeypatch):
     import torch.distributed as dist
 
     from eagle_lib import distributed
-    from eagle_lib.hidden_states import engine_hidden
+    from eagle_lib.hidden_states import producer_procs
 
     got = {}
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -104,7 +104,7 @@ def test_process_group_outlives_the_longest_wait_for_a_producer(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: got.update(backend=backend, **kw))
     distributed.init(torch.device("cpu"))
     assert got["backend"] == "gloo" and isinstance(got["timeout"], datetime.timedelta)
-    assert got["timeout"].total_seconds() > engine_hidden.PRODUCER_WAIT_S >= 3600
+    assert got["timeout"].total_seconds() > producer_procs.PRODUCER_WAIT_S >= 3600
 
 
 FSDP_BF16 = """

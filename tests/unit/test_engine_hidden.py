@@ -15,7 +15,7 @@ import torch
 
 from eagle_lib import store
 from eagle_lib.data.batches import PAD_TO, Sequence, make_batch, seq_key
-from eagle_lib.hidden_states import engine_hidden, hidden, vllm_producer
+from eagle_lib.hidden_states import engine_hidden, hidden, producer_procs, vllm_producer
 from eagle_lib.hidden_states import hidden_buffer as hb
 from tests.support import eagle_tiny, hf_producer
 from tests.support.hf_producer import HFEngine
@@ -78,7 +78,7 @@ def test_streamed_units_equal_online_and_respect_the_bound(target, tmp_path, mon
         producer_cfg=producer_cfg(path, ids, bound), start_producers=False,
     )  # fmt: skip
     # start_producers: false names the buffer and the command for the serving nodes; start it as a user would
-    (cmd,) = (tmp_path / "buf" / engine_hidden.COMMAND_FILE).read_text().splitlines()
+    (cmd,) = (tmp_path / "buf" / producer_procs.COMMAND_FILE).read_text().splitlines()
     argv = cmd.split()
     assert argv[:3] == [".venv-vllm/bin/python", "-m", "eagle_lib.hidden_states.vllm_producer"]
     a = dict(zip(argv[3::2], argv[4::2], strict=True))
@@ -135,7 +135,7 @@ def test_a_replanned_buffer_drops_the_old_request_and_refuses_producers_of_the_o
         )  # fmt: skip
 
     def command():
-        (line,) = (buf / engine_hidden.COMMAND_FILE).read_text().splitlines()
+        (line,) = (buf / producer_procs.COMMAND_FILE).read_text().splitlines()
         return line.split()[3:]
 
     first = source(units)
@@ -188,10 +188,10 @@ def test_a_failed_external_producer_stops_the_waiting_rank_at_once(tmp_path, mon
     assert state["state"] == "failed" and "producer_config.json" in state["error"]
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="every external producer .* failed") as err:
-        engine_hidden.wait_for(buf / "unit_000000.safetensors", [], buf)
+        producer_procs.wait_for(buf / "unit_000000.safetensors", [], buf)
     assert time.perf_counter() - t0 < 5 and "producer_config.json" in str(err.value)
     # one producer still starting (another index): keep waiting, the timeout still applies
     hb.write_json(buf / "producer_1.json", {"state": "starting", "pid": 1})
-    monkeypatch.setattr(engine_hidden, "PRODUCER_WAIT_S", 1.5)
+    monkeypatch.setattr(producer_procs, "PRODUCER_WAIT_S", 1.5)
     with pytest.raises(TimeoutError):
-        engine_hidden.wait_for(buf / "unit_000000.safetensors", [], buf)
+        producer_procs.wait_for(buf / "unit_000000.safetensors", [], buf)

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from eagle_lib.hidden_states import engine_hidden, hidden, vllm_producer
+from eagle_lib.hidden_states import engine_hidden, hidden, producer_procs, vllm_producer
 from eagle_lib.hidden_states import hidden_buffer as hb
 from tests.support import eagle_tiny
 from tests.support.hf_producer import HFEngine, assert_matches_online
@@ -57,10 +57,10 @@ def test_one_producer_fills_two_ranks_buffers_from_one_engine(target, tmp_path, 
         )  # fmt: skip
         ranks.append((src, batches, units))
     group = [(str(src.buf), src.plan_session) for src, _, _ in ranks]
-    (line,) = engine_hidden.external_producers(ranks[0][0].buf, 1, log=lambda _: None, group=group)
+    (line,) = producer_procs.external_producers(ranks[0][0].buf, 1, log=lambda _: None, group=group)
     argv = shlex.split(line)
     assert argv.count("--buffer") == 2 and argv.count("--session") == 2
-    assert not (ranks[1][0].buf / engine_hidden.COMMAND_FILE).exists()  # the group's first rank names it
+    assert not (ranks[1][0].buf / producer_procs.COMMAND_FILE).exists()  # the group's first rank names it
     errors = []
 
     def run():

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle_lib.hidden_states import engine_hidden, vllm_producer
 from eagle_lib.hidden_states import hidden_buffer as hb
+from eagle_lib.hidden_states import producer_procs, vllm_producer
 
 
 def _noflock(monkeypatch, code: int = errno.ENOSYS) -> None:
@@ -75,8 +75,8 @@ def test_producer_commands_name_the_buffer_absolutely(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     buf = Path("outputs/run/hidden_buffer/key/rank0")
     buf.mkdir(parents=True)
-    cmds = engine_hidden.external_producers(buf, 2, log=lambda s: None, session="s1")
-    assert (buf / engine_hidden.COMMAND_FILE).read_text().splitlines() == cmds
+    cmds = producer_procs.external_producers(buf, 2, log=lambda s: None, session="s1")
+    assert (buf / producer_procs.COMMAND_FILE).read_text().splitlines() == cmds
     for i, line in enumerate(cmds):
         argv = shlex.split(line)
         named = Path(argv[argv.index("--buffer") + 1])
