@@ -58,6 +58,9 @@ class Study:
         self.sums_file = self.out / "sums.json"
         self.cached_sums = store.read_json(self.sums_file) if self.sums_file.exists() else {}
         self.progress = progress.Progress("arm", planned_arms(cfg.stage, self.groups), every_s=0)
+        self.counted: set[str] = (
+            set()
+        )  # arms the progress lines have counted (trained, or trained and decoded)
 
     def _decoder(self, cfg: params.StageConfig, held: list) -> heldout_tau.Decoder:
         """Offline decoding of 06's held-out prompts, or the teacher-forced chain tau of held-out sequences."""
@@ -125,7 +128,6 @@ class Study:
             if key not in todo and not (self.out / "drafters" / key / "model.safetensors").exists():
                 todo[key] = (name, seqs, steps, warmup, seed)
         keys = sorted(todo, key=lambda k: -todo[k][2])  # longest first: the last ones to end are short
-        bar = progress.Progress("side-by-side training", len(keys), "arms", every_s=0)
 
         def one(i: int) -> float:
             _, seqs, steps, warmup, seed = todo[keys[i]]
@@ -136,7 +138,10 @@ class Study:
         def ended(i: int, seconds: float) -> None:
             self.side_by_side[keys[i]] = seconds
             name, _, steps, _, _ = todo[keys[i]]
-            bar.update(len(self.side_by_side), f"{name}: {steps} steps in {seconds:.0f} s")
+            self.counted.add(name)  # the stage's arm count (and its ETA) moves as arms end training
+            self.progress.update(
+                len(self.counted), f"{name}: trained side by side, {steps} steps in {seconds:.0f} s"
+            )
 
         forked.forked_map(one, len(keys), self.arm_processes, "07's arms", done=ended)
 
@@ -181,8 +186,12 @@ class Study:
         }  # fmt: skip
         self.arms[name] = info
         tau = decoder.sums.tau(name)
-        self.progress.update(len(self.arms), f"{name}: {how}, {steps} steps on {info['tokens']} tokens, "
-                                             f"tau {tau:.3f} ({info['seconds']:.0f} s)")  # fmt: skip
+        note = f"{name}: {how}, {steps} steps on {info['tokens']} tokens, tau {tau:.3f} ({info['seconds']:.0f} s)"
+        if name in self.counted:  # counted when its training ended: its tau on a line of its own
+            self.progress.emit(f"arm {note}")
+        else:
+            self.counted.add(name)
+            self.progress.update(len(self.counted), note)
         return info
 
     def _eval_id(self, d) -> dict:

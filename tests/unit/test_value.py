@@ -358,6 +358,8 @@ def test_arms_trained_side_by_side_are_the_one_thread_drafters_of_this_process(
         return out
 
     monkeypatch.setattr(st.trainer, "train", spy)
+    shown: list[str] = []
+    monkeypatch.setattr(st.progress, "emit", shown.append)
     torch.set_num_threads(2)
     try:
         st.train_side_by_side(arms)
@@ -368,6 +370,8 @@ def test_arms_trained_side_by_side_are_the_one_thread_drafters_of_this_process(
     assert all(line.split(" ", 1)[1] == "[1]" for line in lines)
     assert str(os.getpid()) not in {line.split()[0] for line in lines}
     assert len(st.side_by_side) == 3
+    # the stage's progress counts each arm as its training ends: arm 1/N, 2/N, 3/N
+    assert [ln.split(",")[0] for ln in shown] == [f"arm {i}/{st.progress.total}" for i in (1, 2, 3)]
     for name, seqs, seed in arms[:3]:
         steps, warm = st.schedule(seqs)
         key = st.key(seqs, steps, warm, seed)
