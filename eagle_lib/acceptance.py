@@ -271,16 +271,10 @@ def decode_offline(
             })  # fmt: skip
         return recs
 
-    bar, ended = progress.Progress("offline decoding", len(jobs), "prompts"), []
-
-    def count(i: int, _recs) -> None:  # a line at most every 15 s, with the time left
-        ended.append(i)
-        bar.update(len(ended), f"T={jobs[i][0]:g}")
-
+    bar = progress.Progress("offline decoding", len(jobs), "prompts")  # a line at most every 15 s, time left
+    done, procs = bar.counter(lambda i: f"T={jobs[i][0]:g}"), offline_processes(p, runners[False].device)
     gens = []
-    for recs in forked.forked_map(
-        one, len(jobs), offline_processes(p, runners[False].device), "06's offline decoding", done=count
-    ):
+    for recs in forked.forked_map(one, len(jobs), procs, "06's offline decoding", done=done):
         store.append_jsonl(out, recs, fsync=False)
         gens += recs
     return gens

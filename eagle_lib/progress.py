@@ -74,6 +74,16 @@ class Progress:
         self.emit(text)
         return text
 
+    def counter(self, note: Callable[[int], str] = lambda i: "") -> Callable[[int, object], None]:
+        """A `forked.forked_map` ``done`` callback: each call is one more unit done, its line noted by note(item)."""
+        done = [self.start]
+
+        def one_more(i: int, _result: object) -> None:
+            done[0] += 1
+            self.update(done[0], note(i))
+
+        return one_more
+
     def emit(self, text: str) -> None:
         """Print `text` (stdout) and hand it to the pipeline's console."""
         self.last = self.clock()

@@ -47,15 +47,6 @@ from eagle_lib.engines.faults import ErrorBudget, Rejected, Retryable, ServerHea
 
 PROGRESS_S = 5.0  # in-flight streams' token counts go to 03's ledger this often (`on_progress`)
 
-PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà vu, 東京, ```code```."
-
-
-def probe_ids(tokenizer) -> tuple[str, list[int]]:
-    """A probe text with the target's special tokens, and its ids under the target tokenizer."""
-    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t][:8]
-    text = PROBE_TEXT + "".join(specials)
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
 
 class HttpEngine(abc.ABC):
     """Shared machinery; subclasses define the endpoint, payload, reply parsing and the probe."""
@@ -63,9 +54,8 @@ class HttpEngine(abc.ABC):
     name = "http"
     path = ""
     on_start = None  # callable(id, server url) or None: called at each attempt (03's ledger)
-    on_progress = (
-        None  # callable([(id, tokens so far)]) or None: streams in flight, every PROGRESS_S (ledger)
-    )
+    # callable([(id, tokens so far)]) or None: streams in flight, every PROGRESS_S (ledger)
+    on_progress = None
 
     def __init__(
         self,

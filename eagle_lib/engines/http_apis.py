@@ -10,13 +10,22 @@ from eagle_lib.engines import fingerprint as fpr
 from eagle_lib.engines.base import EngineError, Request
 from eagle_lib.engines.exchange import excerpt
 from eagle_lib.engines.faults import Rejected
-from eagle_lib.engines.http import HttpEngine, probe_ids
+from eagle_lib.engines.http import HttpEngine
 
 # SGLang: one streamed event per this many tokens (its per-request `stream_interval`; the first token comes at
 # once). Its default stream repeats every id so far in each event: per token that would be O(n^2) bytes, ~1 GB
 # for a 16K-token answer; per 64 tokens ~25 MB, and at the seeds' slowest 4.5 tokens/s an event every ~15 s,
 # far inside `stall_s`.
 STREAM_EVERY = 64
+PROBE_TEXT = "Hello, world! The quick brown fox jumps over 13 lazy dogs: déjà vu, 東京, ```code```."
+
+
+def probe_ids(tokenizer) -> tuple[str, list[int]]:
+    """A probe text with the target's special tokens, and its ids under the target tokenizer (`check`'s
+    tokenizer probe: the server's ids for the text must be these)."""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t][:8]
+    text = PROBE_TEXT + "".join(specials)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class SGLangEngine(HttpEngine):

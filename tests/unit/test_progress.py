@@ -32,6 +32,20 @@ def test_eta_from_a_known_rate():
     assert progress.eta_seconds(7.0, 10, 10) == 0
 
 
+def test_counter_counts_each_ended_item_with_its_note():
+    """`counter`: the done callback of a forked map; items end in any order, each one more unit (after `start`),
+    the line's note from the item; 4 s a unit -> the ETA of what is left."""
+    clock = Clock()
+    p = progress.Progress("prompt", 5, every_s=0, start=1, clock=clock, echo=False)
+    shown: list[str] = []
+    p.emit = shown.append
+    done = p.counter(lambda i: f"item {i}")
+    for i in (3, 0):
+        clock.t += 4.0
+        done(i, None)
+    assert shown == ["prompt 2/5, item 3, elapsed 4s, ETA 12s", "prompt 3/5, item 0, elapsed 8s, ETA 8s"]
+
+
 def test_eta_with_two_rates_is_the_mean_rate():
     """10 units at 1 s then 10 at 3 s: 40 s for 20 units, the mean 2 s a unit over the 30 left -> 60 s."""
     clock = Clock()
