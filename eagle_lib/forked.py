@@ -1,14 +1,17 @@
 """One function over many items in forked worker processes, the results in item order. Stdlib only.
 
-For work that is many independent, small, single-threaded jobs over models already in memory: decoding held-out
-prompts one by one (07's arms, 05's measured tau). Such a decode runs fastest on one torch thread (its many small
-matmuls each pay a wake-up on two: `eagle_lib.engines.machine.decoding_threads`), so on a stage that owns two
-cores one of them idled while it decoded. A forked child inherits the parent's memory as it is at the call (the
-target, the drafter just trained), copy-on-write, so nothing is pickled but the item indices and the results.
+For work that is many independent, single-threaded jobs over models already in memory: decoding held-out prompts
+one by one (07's arms, 05's measured tau, 06), and training 07's arms side by side, one thread each
+(`eagle_lib.data_value.value_study.Study.train_side_by_side`: a training step on two threads is ~1.5x one). A
+decode runs fastest on one torch thread (its many small matmuls each pay a wake-up on two:
+`eagle_lib.engines.machine.decoding_threads`), so on a stage that owns two cores one of them idled while it decoded.
+A forked child inherits the parent's memory as it is at the call (the target, the drafter just trained),
+copy-on-write, so nothing is pickled but the item indices and the results.
 
 Each item is computed exactly as in the parent (the same function, weights and thread count), so the results are
 the parent's own, bit for bit, whatever the number of processes (tests/unit/test_value.py, test_measure.py and
-test_acceptance.py decode with one and two processes and compare; test_forked.py: order, errors). The children inherit
+test_acceptance.py decode with one and two processes and compare, test_value.py trains 07's arms so too;
+test_forked.py: order, errors). The children inherit
 torch's thread count as the parent set it (`decoding_threads` sets it before the call); a forked child must not
 enter a multi-threaded OpenMP region its parent's threads were running (GNU OpenMP is not fork-safe), so callers
 fork only on one thread a child.

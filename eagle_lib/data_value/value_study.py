@@ -58,9 +58,8 @@ class Study:
         self.sums_file = self.out / "sums.json"
         self.cached_sums = store.read_json(self.sums_file) if self.sums_file.exists() else {}
         self.progress = progress.Progress("arm", planned_arms(cfg.stage, self.groups), every_s=0)
-        self.counted: set[str] = (
-            set()
-        )  # arms the progress lines have counted (trained, or trained and decoded)
+        # arms the progress lines have counted (when trained side by side, or when trained and decoded)
+        self.counted: set[str] = set()
 
     def _decoder(self, cfg: params.StageConfig, held: list) -> heldout_tau.Decoder:
         """Offline decoding of 06's held-out prompts, or the teacher-forced chain tau of held-out sequences."""
