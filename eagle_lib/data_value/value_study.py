@@ -51,7 +51,7 @@ class Study:
         self.total = subsets.tokens(self.train_seqs)
         self.steps05 = self.trainer.full_steps(self.train_seqs)
         self.arm_processes = arm_processes(cfg.stage, self.trainer)
-        self.side_by_side: dict[str, float] = {}  # key -> seconds of the arm's training in a forked process
+        self.side_by_side: dict[str, tuple[str, float]] = {}  # key -> (the arm that trained it, its seconds)
         self.decoder = self._decoder(cfg, held)
         self.arms: dict[str, dict] = {}
         self.noise = curves.NO_NOISE  # training noise, once the curve's seed replicates measured it
@@ -135,8 +135,8 @@ class Study:
             return time.time() - t0
 
         def ended(i: int, seconds: float) -> None:
-            self.side_by_side[keys[i]] = seconds
             name, _, steps, _, _ = todo[keys[i]]
+            self.side_by_side[keys[i]] = (name, seconds)
             self.counted.add(name)  # the stage's arm count (and its ETA) moves as arms end training
             self.progress.update(
                 len(self.counted), f"{name}: trained side by side, {steps} steps in {seconds:.0f} s"
@@ -166,7 +166,7 @@ class Study:
             drafter, how = load_drafter(reuse_dir, device=self.trainer.device), "05's final drafter"
         elif (ddir / "model.safetensors").exists():
             drafter = load_drafter(ddir, device=self.trainer.device)
-            how = "trained side by side" if key in self.side_by_side else "cached"
+            how = self.obtained(key, name)
         else:
             drafter, how = self._train(seqs, steps, warmup, key, seed)[0], "trained"
         eval_key = store.stable_hash(
@@ -181,7 +181,7 @@ class Study:
             "arm": name, "study": study, "sequences": len(seqs), "tokens": subsets.tokens(seqs),
             "label_tokens": sum(sum(s.loss_mask) for s in seqs), "steps": steps, "drafter": how, "key": key,
             "seed": self.cfg.shared.seed if seed is None else seed, "seconds": time.time() - t0,
-            "train_seconds": self.side_by_side.get(key),
+            "train_seconds": self.side_by_side[key][1] if how == "trained side by side" else None,
         }  # fmt: skip
         self.arms[name] = info
         tau = decoder.sums.tau(name)
@@ -192,6 +192,11 @@ class Study:
             self.counted.add(name)
             self.progress.update(len(self.counted), note)
         return info
+
+    def obtained(self, key: str, name: str) -> str:
+        """How arm `name` got the cached drafter `key`: trained side by side under this name, or cached (an earlier
+        run's, or another arm's of the same data: the leave-out reference is the curve's arm)."""
+        return "trained side by side" if self.side_by_side.get(key, ("",))[0] == name else "cached"
 
     def _eval_id(self, d) -> dict:
         src = self.cfg.stage.tau_source

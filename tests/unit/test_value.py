@@ -382,3 +382,6 @@ def test_arms_trained_side_by_side_are_the_one_thread_drafters_of_this_process(
             torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"{name}: {k}")
     st.train_side_by_side(arms)
     assert len(calls.read_text().splitlines()) == 3  # all cached
+    key = st.key(half, *st.schedule(half))
+    assert st.obtained(key, "0.5") == "trained side by side"
+    assert st.obtained(key, "0.5 again") == "cached"  # the same data under another name: not trained again
