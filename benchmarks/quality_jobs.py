@@ -52,7 +52,7 @@ def job_ours(spec_path: str) -> None:
         sys.exit("ours: the micro-batches differ from the ones planned for the peers")
     vmap = load_file(str(Path(spec["plan"]).parent / "vocab_map.safetensors"))
     p = tr.p
-    drafter = recipe.new_drafter(tr.config, vmap["d2t"], vmap["t2d"], p, seed, tr.embed, tr.lm_head)
+    drafter = recipe.new_drafter(tr.config, vmap["d2t"], vmap["t2d"], p, seed, tr.embed, tr.lm_head, tr.layer)
     recipe.frozen_in_bf16(drafter, tr.autocast)
     drafter = drafter.to(tr.device)
     stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, seed)

@@ -342,6 +342,52 @@ def init_from_target(model: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.T
             model.lm_head.weight.copy_(lm_head[model.draft_ids().to(lm_head.device)])
 
 
+# the target decoder layer's tensors that `init_layer_from_target` reads (Llama names under model.layers.{i}.)
+LAYER_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)  # fmt: skip
+
+
+def init_layer_from_target(model: Eagle3Drafter, layer: dict[str, torch.Tensor], final_norm: torch.Tensor,
+                           halves: str = "hidden") -> None:  # fmt: skip
+    """Start the draft layer from a target decoder layer (``layer``: LAYER_TENSORS by name) and the drafter's
+    norm from the target's final norm, so norm + lm_head (the target's rows) start as the target's head.
+
+    The draft layer's q/k/v read ``concat(embedding, hidden)`` (2H): ``halves`` says which half takes the
+    target's matrix: ``hidden`` (the embedding half keeps its random init) or ``both`` (the same matrix on
+    both halves: q = W (e + h)). o_proj, the MLP and the layer norms (hidden_norm and input_layernorm both
+    from the target's input_layernorm) are copied. Shapes must match: a GQA layer as wide as the target."""
+    c = model.config
+    if c.attention != "gqa":
+        raise ValueError(f"init_layer_from_target: the draft layer's attention is {c.attention!r}; only a "
+                         "gqa layer takes a target layer's weights")  # fmt: skip
+    if halves not in ("hidden", "both"):
+        raise ValueError(f"init_layer_from_target halves {halves!r}: choose hidden or both")
+    mid, h = model.midlayer, c.hidden_size
+    pairs = [(mid.self_attn.o_proj.weight, "self_attn.o_proj.weight"),
+             (mid.mlp.gate_proj.weight, "mlp.gate_proj.weight"), (mid.mlp.up_proj.weight, "mlp.up_proj.weight"),
+             (mid.mlp.down_proj.weight, "mlp.down_proj.weight"),
+             (mid.post_attention_layernorm.weight, "post_attention_layernorm.weight"),
+             (mid.input_layernorm.weight, "input_layernorm.weight"), (mid.hidden_norm.weight, "input_layernorm.weight")]  # fmt: skip
+    for name in ("q_proj", "k_proj", "v_proj"):
+        pairs.append((getattr(mid.self_attn, name).weight[:, h:], f"self_attn.{name}.weight"))
+        if halves == "both":
+            pairs.append((getattr(mid.self_attn, name).weight[:, :h], f"self_attn.{name}.weight"))
+    with torch.no_grad():
+        for dst, key in pairs:
+            src = layer[key]
+            if src.shape != dst.shape:
+                raise ValueError(f"init_layer_from_target: the target's {key} is {tuple(src.shape)}, the draft "
+                                 f"layer's {tuple(dst.shape)} (a drafter of another width or MLP size)")  # fmt: skip
+            dst.copy_(src.to(dst.dtype))
+        if final_norm.shape != model.norm.weight.shape:
+            raise ValueError(f"init_layer_from_target: the target's final norm is {tuple(final_norm.shape)}, "
+                             f"the drafter's {tuple(model.norm.weight.shape)}")  # fmt: skip
+        model.norm.weight.copy_(final_norm.to(model.norm.weight.dtype))
+
+
 def save_drafter(model: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
     """Write model.safetensors (full state_dict) + drafter_config.json (config + extra fields)."""
     return save_state(model.state_dict(), model.config, out_dir, extra)

@@ -129,6 +129,15 @@ class Params(params.Strict):
         False  # keep lm_head at those rows (speculators' way): train fc, the layer and norms
     )
     lm_head_lr_scale: float = 1.0  # the lm_head's AdamW lr as a fraction of learning_rate (> 0)
+    # a target decoder layer (0-based) whose weights start the draft layer, with the target's final norm before the
+    # lm_head (drafter/model.init_layer_from_target); -1: a random layer (the peers' init)
+    init_layer_from_target: int = -1
+    init_layer_halves: Literal["hidden", "both"] = (
+        "hidden"  # which half of q/k/v's 2H input takes the target's matrix: hidden | both (embedding too)
+    )
+    init_fc: Literal["random", "last_aux"] = (
+        "random"  # fc's start: random | last_aux (passes the last aux layer's feature through: [0, 0, I])
+    )
     attention: Literal["auto", "eager", "sdpa", "chunked"] = (
         "auto"  # TTT attention: eager (T x T scores per step; CPU) | sdpa (fused kernel; GPU) | chunked
         # (blockwise, memory linear in length: long sequences; drafter/longseq.py) | auto (sdpa on GPU, else eager)
@@ -212,6 +221,16 @@ class Params(params.Strict):
         return self
 
     @model_validator(mode="after")
+    def _layer_init(self):
+        if self.init_layer_from_target < -1:
+            raise ValueError(f"init_layer_from_target {self.init_layer_from_target}: a target decoder layer "
+                             "(0-based) or -1 (a random draft layer)")  # fmt: skip
+        if self.init_layer_from_target >= 0 and self.draft_attention != "gqa":
+            raise ValueError("init_layer_from_target needs draft_attention gqa (an MLA draft layer has no "
+                             "target layer of its shapes to start from)")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _epochs_or_steps(self):
         # the Kimi params said epochs: 2 while the default max_steps (80) silently decided: found on the mini run
         if "epochs" in self.model_fields_set and self.max_steps and "max_steps" not in self.model_fields_set:
@@ -276,19 +295,50 @@ def drafter_config(hf_config, p: Params):
     return config
 
 
-def new_drafter(config, d2t, t2d, p: Params, seed: int, embed, lm_head):
+def target_layer(p: Params, target: str, hf_config, revision: str | None = None) -> dict | None:
+    """The target tensors that init_layer_from_target starts the drafter from (None when it is -1): the
+    layer's (`model.LAYER_TENSORS`) and ``final_norm``, read alone from the target's safetensors."""
+    from eagle_lib import models
+    from eagle_lib.drafter.model import LAYER_TENSORS
+    from eagle_lib.hidden_states.hidden import load_target_tensors
+
+    i = p.init_layer_from_target
+    if i < 0:
+        return None
+    n = models.text_config(hf_config).num_hidden_layers
+    if i >= n:
+        raise params.ParamsError(f"05_train_eagle3: init_layer_from_target {i}: the target has {n} decoder "
+                                 f"layers (0-{n - 1})")  # fmt: skip
+    names = {key: [f"model.layers.{i}.{key}", f"layers.{i}.{key}"] for key in LAYER_TENSORS}
+    return load_target_tensors(target, {**names, "final_norm": ["model.norm.weight"]}, revision)
+
+
+def new_drafter(config, d2t, t2d, p: Params, seed: int, embed, lm_head, layer: dict | None = None):
     """A drafter initialised as 05 does: ``torch.manual_seed(seed)``, the vocab map, then the target's
     embedding and (with init_lm_head_from_target) its lm_head rows of the draft vocab, frozen under
-    freeze_lm_head."""
+    freeze_lm_head; with init_layer_from_target, the draft layer and the final norm from ``layer``
+    (`target_layer`)."""
     import torch
 
-    from eagle_lib.drafter.model import Eagle3Drafter, init_from_target
+    from eagle_lib.drafter.model import Eagle3Drafter, init_from_target, init_layer_from_target
 
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(config)
     drafter.set_vocab_map(d2t, t2d)
     head = lm_head.detach().float().cpu() if p.init_lm_head_from_target else None
     init_from_target(drafter, embed.detach().float().cpu(), head)
+    if p.init_layer_from_target >= 0:
+        if layer is None:
+            raise ValueError("init_layer_from_target: no target layer given (recipe.target_layer)")
+        weights = {k: v.detach().float().cpu() for k, v in layer.items()}
+        init_layer_from_target(drafter, weights, weights.pop("final_norm"), p.init_layer_halves)
+    if p.init_fc == "last_aux":
+        if config.hidden_size != config.target_hidden_size:
+            raise ValueError(f"init_fc last_aux passes a target feature ({config.target_hidden_size} wide) "
+                             f"through fc: the drafter is {config.hidden_size} wide")  # fmt: skip
+        with torch.no_grad():
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, 2 * config.target_hidden_size :].copy_(torch.eye(config.hidden_size))
     if p.freeze_lm_head:
         if head is None or head.shape[1] != config.hidden_size:
             width = "no target lm_head" if head is None else f"the target lm_head's width {head.shape[1]}"

@@ -61,6 +61,8 @@ class Trainer:
         self.config = recipe.drafter_config(self.hf_config, self.p)
         self.k, self.decay = ttt.resolve_preset(self.p.ttt_preset, self.p.ttt_steps, self.p.loss_decay)
         self.source, self.embed, self.lm_head, self.keep = self._source(models.resolve(shared.target))
+        rev = models.hub_kwargs(shared)["revision"]
+        self.layer = recipe.target_layer(self.p, models.resolve(shared.target), self.hf_config, rev)
         cuda = self.device.type == "cuda"
         self.autocast = trainer.use_autocast(self.p, self.device)
         self.attention = self.p.attention if self.p.attention != "auto" else ("sdpa" if cuda else "eager")
@@ -115,7 +117,9 @@ class Trainer:
         counts = vocab.count_label_tokens(((s.input_ids, s.loss_mask) for s in seqs), self.config.vocab_size)
         d2t, t2d = vocab.build_vocab_map(counts, self.p.draft_vocab_size)
         seed = self.shared.seed if seed is None else seed
-        drafter = recipe.new_drafter(self.config, d2t, t2d, self.p, seed, self.embed, self.lm_head)
+        drafter = recipe.new_drafter(
+            self.config, d2t, t2d, self.p, seed, self.embed, self.lm_head, self.layer
+        )
         recipe.frozen_in_bf16(drafter, self.autocast)
         return drafter.to(self.device)
 

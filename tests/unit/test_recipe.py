@@ -116,3 +116,76 @@ def test_the_lm_head_lr_scale_is_a_positive_fraction():
     with pytest.raises(ValueError, match="lm_head_lr_scale"):
         recipe.Params(lm_head_lr_scale=0.0)
     assert recipe.Params(lm_head_lr_scale=0.1).lm_head_lr_scale == 0.1
+
+
+def _saved_llama(tmp_path, layers: int = 4):
+    """A tiny random Llama target saved as safetensors (the layer init reads the tensors from the files)."""
+    from tests.support.models import llama
+
+    target = llama(seed=3, num_hidden_layers=layers, num_key_value_heads=2)
+    target.save_pretrained(tmp_path)
+    return target
+
+
+def test_a_draft_layer_started_from_a_target_layer_computes_that_layer(tmp_path):
+    """Reference: the HF target's own decoder layer. With init_fc last_aux, fc passes the last aux feature (the
+    output of layer 1) through; with the layer started from target layer 2 and the embedding half of q/k/v zeroed
+    here, the draft layer's output is the target's hidden state after layer 2, and norm + lm_head (the target's
+    final norm and rows) give the target's logits of that state."""
+    from eagle_lib import models
+
+    target = _saved_llama(tmp_path)
+    p = recipe.Params(
+        init_layer_from_target=2, init_fc="last_aux", draft_vocab_size=128, aux_layers=[0, 0, 1]
+    )
+    config = recipe.drafter_config(target.config, p)
+    layer = recipe.target_layer(p, str(tmp_path), target.config)
+    v = config.vocab_size
+    d = recipe.new_drafter(config, torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool), p, 0,
+                           target.get_input_embeddings().weight, target.lm_head.weight, layer)  # fmt: skip
+    h = config.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(d.midlayer.self_attn, name).weight[:, :h] = 0.0
+    ids = torch.randint(0, v, (1, 9))
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states  # [embeddings, after layer 0, ...]
+        feats = torch.cat([states[1], states[1], states[2]], dim=-1)
+        out, logits = d(ids, d.project(feats), torch.arange(9)[None])
+        want = states[3]  # after layer 2 (not the last: HF's last state is normed)
+        want_logits = target.lm_head(target.model.norm(want))
+    assert torch.allclose(out, want, atol=1e-5)
+    assert torch.allclose(logits, want_logits, atol=1e-4)
+    assert models.text_config(target.config).num_hidden_layers == 4
+
+
+def test_both_halves_take_the_target_matrix_and_the_embedding_half_is_random_otherwise(tmp_path):
+    target = _saved_llama(tmp_path)
+    got = {}
+    for halves in ("hidden", "both"):
+        p = recipe.Params(
+            init_layer_from_target=3, init_layer_halves=halves, draft_vocab_size=128, aux_layers=[0, 1, 2]
+        )
+        config = recipe.drafter_config(target.config, p)
+        layer = recipe.target_layer(p, str(tmp_path), target.config)
+        v = config.vocab_size
+        got[halves] = recipe.new_drafter(config, torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool),
+                                         p, 0, target.get_input_embeddings().weight, target.lm_head.weight, layer)  # fmt: skip
+    h, want = 64, target.model.layers[3].self_attn.k_proj.weight
+    assert torch.equal(got["hidden"].midlayer.self_attn.k_proj.weight[:, h:].detach(), want.detach())
+    assert torch.equal(got["both"].midlayer.self_attn.k_proj.weight[:, :h].detach(), want.detach())
+    assert not torch.equal(got["hidden"].midlayer.self_attn.k_proj.weight[:, :h].detach(), want.detach())
+    assert torch.equal(got["hidden"].norm.weight.detach(), target.model.norm.weight.detach())
+
+
+def test_the_layer_init_names_a_layer_the_target_has(tmp_path):
+    from eagle_lib import params
+
+    target = _saved_llama(tmp_path, layers=2)
+    with pytest.raises(params.ParamsError, match="init_layer_from_target 2: the target has 2 decoder layers"):
+        recipe.target_layer(recipe.Params(init_layer_from_target=2), str(tmp_path), target.config)
+    with pytest.raises(ValueError, match="init_layer_from_target -2"):
+        recipe.Params(init_layer_from_target=-2)
+    with pytest.raises(ValueError, match="draft_attention gqa"):
+        recipe.Params(init_layer_from_target=0, draft_attention="mla")
+    assert recipe.target_layer(recipe.Params(), str(tmp_path), target.config) is None
