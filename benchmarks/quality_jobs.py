@@ -58,7 +58,7 @@ def job_ours(spec_path: str) -> None:
     stream = batches.BatchStream(seqs, p.pack_len, p.rows_per_batch, seed)
     model = ttt.TTT(
         drafter, tr.k, tr.decay, tr.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-        p.checkpoint_steps, terms=recipe.objective(p, tr.shared),
+        p.checkpoint_steps, terms=recipe.objective(p, tr.shared), positions=p.loss_positions,
     )  # fmt: skip
     opts = optim.for_recipe(model.named_parameters(), p)
     scheds = recipe.schedules(opts, p, steps, p.warmup_steps)

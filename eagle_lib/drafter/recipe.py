@@ -84,6 +84,9 @@ class Params(params.Strict):
     target_temperature: float = (
         1.0  # soft target = softmax(target logits / this); < 1 sharpens towards argmax
     )
+    loss_positions: Literal["assistant", "all"] = (
+        "assistant"  # label rows: the loss mask's (assistant tokens) | all (prompt tokens too: the target's logits)
+    )
     loss: Literal["soft_ce", "forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk_hybrid"] = (
         "soft_ce"  # per-position loss, target p vs draft q (eagle_lib.drafter.served.per_position_loss)
     )

@@ -158,7 +158,7 @@ class Trainer:
             )
         model = ttt.TTT(
             drafter, self.k, self.decay, self.attention, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-            p.checkpoint_steps, terms=recipe.objective(p, self.shared),
+            p.checkpoint_steps, terms=recipe.objective(p, self.shared), positions=p.loss_positions,
         )  # fmt: skip
         opts = optim.for_recipe(model.named_parameters(), p)
         scheds = recipe.schedules(opts, p, steps, warmup)

@@ -233,7 +233,7 @@ def train(cfg: params.StageConfig, fp: str) -> dict:
             source.lazy_logits = True  # last hidden + head: logits made chunk by chunk, never (B, T, V)
         shard = seqpar.groups(distributed.world()[1], distributed.world()[0], p.sequence_parallel)
         unroll = ttt.TTT(drafter, k, decay, attn, p.ttt_input, p.target_temperature, p.loss, p.loss_chunk,
-                         p.checkpoint_steps, shard, recipe.objective(p, cfg.shared))  # fmt: skip
+                         p.checkpoint_steps, shard, recipe.objective(p, cfg.shared), p.loss_positions)  # fmt: skip
         model = distributed.wrap(unroll, p.distributed, device, use_autocast(p, device))
         opts = optim.for_recipe(model.named_parameters(), p)
         scheds = recipe.schedules(opts, p, total)

@@ -101,6 +101,9 @@ ATTENTION = {"eager": ttt_attention, "sdpa": ttt_attention_sdpa, "chunked": long
 FEEDS = ("label", "drafted")  # input token of steps >= 1: the data's next token | the drafter's own draft
 
 
+POSITIONS = ("assistant", "all")  # label positions: the data's loss mask | every token of a document
+
+
 class TTT(nn.Module):
     """Wraps the drafter so one forward = one TTT unroll (DDP/FSDP wrap this module)."""
 
@@ -117,8 +120,12 @@ class TTT(nn.Module):
         checkpoint_steps: bool = False,
         shard: seqpar.Shard | None = None,
         terms: list[served.Term] | None = None,
+        positions: str = "assistant",
     ):
         super().__init__()
+        if positions not in POSITIONS:
+            raise ValueError(f"loss_positions {positions!r}: choose one of {list(POSITIONS)}")
+        self.positions = positions
         if attention not in ATTENTION:
             raise ValueError(f"attention {attention!r}: choose one of {sorted(ATTENTION)}")
         if feed not in FEEDS:
@@ -155,6 +162,8 @@ class TTT(nn.Module):
         d = self.drafter
         c = d.config
         rep = c.num_attention_heads // c.num_key_value_heads
+        if self.positions == "all":  # every token of a document is a label: the target's distribution is known there
+            loss_mask = doc_ids >= 0
         lazy = isinstance(target_logits, longseq.HeadTarget)
         if lazy and not self.loss_chunk:
             raise ValueError("a HeadTarget (no (B, T, V) logits) needs loss_chunk > 0")
@@ -366,6 +375,7 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
     inner.served_alpha_bins = torch.zeros(
         n_sampled, len(CONFIDENCE_EDGES) + 1, dtype=torch.float64, device=device
     )
+    trained_on, inner.positions = inner.positions, "assistant"  # measured where drafts are served
     try:
         with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=autocast):
             for i in range(0, len(rows), rows_per_batch):
@@ -397,6 +407,7 @@ def evaluate(model, source, seqs, pack_len: int, rows_per_batch: int, device, au
         inner.served_mass = None
         inner.served_alpha = None
         inner.served_alpha_bins = None
+        inner.positions = trained_on
         model.train()
     return out
 
