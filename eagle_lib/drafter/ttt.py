@@ -162,7 +162,9 @@ class TTT(nn.Module):
         d = self.drafter
         c = d.config
         rep = c.num_attention_heads // c.num_key_value_heads
-        if self.positions == "all":  # every token of a document is a label: the target's distribution is known there
+        if (
+            self.positions == "all"
+        ):  # every token of a document is a label: the target's distribution is known there
             loss_mask = doc_ids >= 0
         lazy = isinstance(target_logits, longseq.HeadTarget)
         if lazy and not self.loss_chunk:

@@ -530,3 +530,33 @@ def test_05_meta_records_what_its_bits_depend_on_and_a_digest_two_runs_of_one_re
     wc = runs["c"][1]
     assert runs["c"][0]["seed"] == 1 and not all(torch.equal(wa[k], wc[k]) for k in wa)
     assert runs["c"][0]["weights_sha256"] != rec["weights_sha256"]
+
+
+def test_loss_positions_all_trains_every_token_of_a_document_and_is_measured_on_assistant_tokens():
+    """Label rows at TTT step i, counted by formula: a 12-token document followed by 4 padding tokens (doc -1),
+    assistant tokens 7..11. "assistant": the label x[t+2+i] must be one of the 5, so 5 rows at every step;
+    "all": every t with t+2+i inside the document, 12 - 2 - i rows, padding never. The held-out metrics
+    (`ttt.evaluate`) count assistant rows whatever the model trained on, and leave its setting as it was."""
+    t = 16
+    ids, pos, doc, aux, logits = inputs(t)
+    doc[:, 12:] = -1
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    mask[:, 7:12] = True
+    counts = {}
+    for positions in ("assistant", "all"):
+        model = ttt.TTT(drafter(), 3, 1.0, positions=positions)
+        _, stats = model(ids, pos, doc, mask, aux, logits)
+        counts[positions] = stats[:, 3].tolist()
+    assert counts == {"assistant": [5.0, 5.0, 5.0], "all": [10.0, 9.0, 8.0]}
+    with pytest.raises(ValueError, match="loss_positions 'prompt'"):
+        ttt.TTT(drafter(), 3, 1.0, positions="prompt")
+
+    class Source:  # the batch's aux features and target logits, as a hidden source returns them
+        def __call__(self, batch):
+            n = batch.input_ids.shape[1]
+            return aux[:, :n].expand(batch.input_ids.shape[0], -1, -1), logits[:, :n]
+
+    seq = batches.Sequence("s", ids[0, :12].tolist(), mask[0, :12].int().tolist())
+    model = ttt.TTT(drafter(), 3, 1.0, positions="all")
+    held = ttt.evaluate(model, Source(), [seq], 16, 1, torch.device("cpu"), False)
+    assert model.positions == "all" and held["n_labels"] == 5
