@@ -5,6 +5,7 @@ specforge_side.py):
     python benchmarks/quality_real.py ours  <train_ours_<seed>.json>   ours, 05's recipe, one seed
     python benchmarks/quality_real.py refs  <eval.json>                 eval prompts and their greedy paths
     python benchmarks/quality_real.py eval  <eval_<side>_<seed>.json>   tau of one training's kept drafters
+    python benchmarks/quality_real.py serve <serve_<side>_<seed>.json>  served tau of its final drafter (--vllm)
     python benchmarks/quality_real.py report <work dir>                 the table of the seeds done so far
 
 Each writes its result file last (the job's ``done`` file), so a rerun skips what finished.
@@ -283,6 +284,76 @@ def _check(work: Path, tasks, refs, target, embed, vocab, plan, per_group: int =
     check.write_text(json.dumps({"task": task, "prompts": len(picked), "same": same, "tau": tau}))
 
 
+# --- served by vLLM ---------------------------------------------------------------------------------------
+def served_export(task: dict, work: Path, plan: dict, embed) -> Path:
+    """The directory vLLM loads for a side's final drafter: speculators' own saved checkpoint; ours and
+    SpecForge's weights written in the speculators format by our exporter (SpecForge saves no vLLM format)."""
+    from eagle_lib import models
+    from eagle_lib.drafter import export
+    from eagle_lib.params import SharedParams
+
+    if task["side"] == "speculators":
+        return Path(task["dir"])
+    shared = SharedParams(**plan["shared"])
+    tgt = models.resolve(shared.target)
+    arch = models.load_config(tgt).architectures or ["LlamaForCausalLM"]
+    out = work / task["side"] / f"seed{task['seed']}" / "served_export"
+    return export.export_speculators(_drafter(task, embed, plan["aux_layers"]), out, tgt, arch, plan["k"])
+
+
+def job_serve(path: str) -> None:
+    """Served tau of one side's final drafter: a vLLM CPU server (one thread) on the target with it, the T=0
+    prompts greedy (each output checked against the target's greedy path in refs.pt) and the T=1 prompts at
+    refs' top_p and draft sampling, one request seed; per prompt group, as vLLM's /metrics counts them."""
+    import os
+
+    from eagle_lib import models
+    from eagle_lib.data.evalsets import Prompt
+    from eagle_lib.engines.vllm_server import start_vllm
+    from eagle_lib.params import SharedParams
+    from eagle_lib.serving import commands, online
+
+    os.environ.setdefault("EAGLE_MAX_THREADS", "1")  # the server's threads: this job's one core
+    task = _plan(path)
+    work = Path(path).parent
+    plan = _plan(work / "eval.json")["plan"]
+    refs = torch.load(work / "refs.pt", weights_only=False)
+    shared = SharedParams(**plan["shared"])
+    embed = models.load_target(shared, device="cpu").get_input_embeddings().weight.detach()
+    export_dir = served_export(task, work, plan, embed)
+    t0 = time.perf_counter()
+
+    def groups(rows: list[dict]) -> dict[str, list[Prompt]]:
+        out: dict[str, list[Prompt]] = {}
+        for r in rows:
+            out.setdefault(r["group"], []).append(Prompt(r["id"], r["dataset"], r["prompt_ids"]))
+        return out
+
+    spec = commands.vllm_spec(str(export_dir), refs["k"], refs["draft_sampling"])
+    longest = max(len(r["prompt_ids"]) for r in refs["t0"] + refs["t1"])
+    with start_vllm(models.resolve(shared.target), extra_args=["--speculative-config", json.dumps(spec)],
+                    tokenizer=models.resolve(shared.tokenizer_path), log_dir=work / f"vllm_{task['side']}_{task['seed']}",
+                    max_model_len=longest + refs["new_tokens"] + 2 * refs["k"] + 8) as srv:  # fmt: skip
+        greedy = online.online_vllm(srv.base_url, srv.model, groups(refs["t0"]), refs["new_tokens"], refs["k"],
+                                    stop_ids=refs["eos"])  # fmt: skip
+        s = online.Sampling(temperature=1.0, top_p=refs["top_p"], top_k=0)
+        sampled = online.online_vllm(srv.base_url, srv.model, groups(refs["t1"]), refs["new_tokens"], refs["k"],
+                                     sampling=s, seed=1, stop_ids=refs["eos"])  # fmt: skip
+    same, n = 0, 0
+    for r in refs["t0"]:
+        want = refs["paths"][r["id"]]["seq"][len(r["prompt_ids"]) :][: refs["new_tokens"]]
+        got = next(g["outputs"][r["id"]] for g in greedy.values() if r["id"] in g["outputs"])
+        m = min(len(got), len(want))  # a stop token kept by one side and not the other
+        same, n = same + (got[:m] == want[:m] and m > 0), n + 1
+    res = {"task": task, "export": str(export_dir), "same": same, "n": n, "seconds": time.perf_counter() - t0}
+    for key, raw in (("t0", greedy), ("t1", sampled)):
+        res[key] = {g: {k: v[k] for k in ("accepted", "drafts", "tau")} for g, v in raw.items()}
+    out = work / task["side"] / f"seed{task['seed']}" / "served.json"
+    out.write_text(json.dumps(res))
+    print(f"{task['side']} seed {task['seed']} served: {same}/{n} greedy outputs = target's, "
+          f"{res['seconds']:.0f} s", flush=True)  # fmt: skip
+
+
 def job_report(work: str) -> None:
     """The table from whatever seeds are complete in a work dir (a run stopped early)."""
     from quality_report import report
@@ -291,7 +362,7 @@ def job_report(work: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    jobs = {"ours": job_ours, "refs": job_refs, "eval": job_eval, "report": job_report}
+    jobs = {"ours": job_ours, "refs": job_refs, "eval": job_eval, "serve": job_serve, "report": job_report}
     if len(argv) != 2 or argv[0] not in jobs:
         sys.exit(f"usage: quality_real.py {{{','.join(jobs)}}} SPEC_JSON")
     jobs[argv[0]](argv[1])

@@ -323,10 +323,24 @@ def eval_jobs(plan: dict, work: Path) -> list[dict]:
     return jobs
 
 
+def serve_jobs(plan: dict, work: Path, sides) -> list[dict]:
+    """``--vllm``: one job per (side, seed) once its evaluation is done: its final drafter served by a vLLM CPU
+    server beside the target (`quality_jobs.job_serve`)."""
+    jobs = []
+    for side in sides:
+        for seed in plan["seeds"]:
+            out = work / side / f"seed{seed}"
+            spec = work / f"serve_{side}_{seed}.json"
+            spec.write_text(json.dumps({"side": side, "seed": seed, "step": plan["steps"],
+                                        "dir": str(out / f"step_{plan['steps']}")}))  # fmt: skip
+            jobs.append({"name": f"serve_{side}_{seed}", "done": str(out / "served.json"), "seed": seed, "side": side,
+                         "after": [str(work / f"eval_{side}_{seed}.done")],
+                         "argv": [sys.executable, str(HERE / "quality_real.py"), "serve", str(spec)]})  # fmt: skip
+    return jobs
+
+
 def main(a) -> None:
     """The real-model benchmark: setup, jobs, table (bench_quality.py --params ...)."""
-    if a.vllm:
-        sys.exit("--vllm is not done for a real run (bench_quality.py serves the toy's exports only)")
     for side, py, make in (
         ("speculators", a.spec_python, "bench-env"),
         ("SpecForge", a.sf_python, "specforge-env"),
@@ -336,6 +350,11 @@ def main(a) -> None:
     work = Path(a.work_dir or f"/tmp/bench_quality_real_{os.getpid()}").absolute()
     work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
+    if a.vllm:
+        from eagle_lib.engines.vllm_server import vllm_python
+
+        if not vllm_python().exists():
+            sys.exit(f"{vllm_python()} missing: run `make vllm-env` first (--vllm serves the drafters)")
     t0 = time.perf_counter()
     plan = json.loads((work / "plan.json").read_text()) if (work / "plan.json").exists() else setup(a, work)
     if (not set(a.seeds) <= set(plan["seeds"]) or plan["steps"] != (a.steps or plan["steps"])
@@ -354,6 +373,7 @@ def main(a) -> None:
         f"steps, cores {cores}"
     )
     trains, evals = train_jobs(a, work, plan), eval_jobs(plan, work)
+    evals += serve_jobs(plan, work, a.sides) if a.vllm else []
     # seed by seed (trainings, then their evaluations once trained): a run stopped early has whole seeds;
     # --seeds may name a subset of the plan's (the others resume later in the same --work-dir)
     order = [j for seed in a.seeds for j in trains + evals if j["seed"] == seed and j["side"] in a.sides]

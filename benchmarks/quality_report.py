@@ -117,6 +117,7 @@ def report(work: Path, plan: dict, total_s: float | None) -> str:
             out.setdefault("ratio", {}).setdefault(peer, {})[temp] = r
             lines.append(f"  ours/{peer:11s} " + " | ".join(
                 f"{x['ratio']:.3f} (seeds {x['min']:.2f}-{x['max']:.2f})".center(27) for x in r.values()))  # fmt: skip
+    lines += _served(work, seeds, sides, out)
     lines.append("\nT=0 acceptance by draft position (unconditional, all prompts, final step, seed mean)")
     for side in sides:
         acc = [sum(res[side][s][final]["acc"][i] for s in seeds) / len(seeds) for i in range(refs["k"])]
@@ -156,5 +157,49 @@ def _steps(res, plan, seeds, sides, out) -> list[str]:
             f"  steps ours needs to reach the {peer} drafter's final tau {sum(finals) / len(finals):.3f}: "
             f"{qs.fmt_steps(x['point'], final)}{frac} (interval over {x['pairs']} seed pairs: "
             f"{qs.fmt_steps(x['lo'], final)} to {qs.fmt_steps(x['hi'], final)})"
+        )
+    return lines
+
+
+def _served_tau(groups: dict, want) -> float:
+    rows = [v for g, v in groups.items() if want(g)]
+    drafts = sum(r["drafts"] for r in rows)
+    return 1 + sum(r["accepted"] for r in rows) / drafts if drafts else float("nan")
+
+
+def _served(work: Path, seeds: list, sides: list, out: dict) -> list[str]:
+    """``--vllm``: each side's final drafter served by vLLM (`quality_jobs.job_serve`), tau over MT-Bench +
+    HumanEval and over all prompts (vLLM's /metrics counts), the greedy outputs equal to the target's, and ours /
+    each peer; the sides and seeds served so far."""
+    got = {side: [work / side / f"seed{s}" / "served.json" for s in seeds] for side in sides}
+    served = [side for side in sides if all(f.exists() for f in got[side])]
+    if not served:
+        return []
+    lines = [
+        f"\nServed by vLLM 0.32 CPU (final drafters; {MAIN} | all prompts), mean ± sd [min-max] over {len(seeds)} seeds"
+    ]
+    taus: dict = {}
+    for side in served:
+        rows = [json.loads(f.read_text()) for f in got[side]]
+        cells = []
+        for temp in ("t0", "t1"):
+            for name, want in ((MAIN, lambda g: g != "heldout"), ("all", lambda g: True)):
+                vals = [_served_tau(r[temp], want) for r in rows]
+                taus.setdefault(side, {}).setdefault(temp, {})[name] = vals
+                cells.append(_cell(vals))
+        same, n = sum(r["same"] for r in rows), sum(r["n"] for r in rows)
+        out.setdefault("served", {})[side] = {
+            t: {k: qs.mean_spread(v) for k, v in d.items()} for t, d in taus[side].items()
+        }
+        out["served"][side]["same"] = [same, n]
+        lines.append(
+            f"  {side:12s} T=0 {cells[0]} | {cells[1]}   T=1 {cells[2]} | {cells[3]}   greedy = target's {same}/{n}"
+        )
+    for peer in [x for x in served if x != "ours" and "ours" in served]:
+        r = {t: qs.ratio(taus["ours"][t][MAIN], taus[peer][t][MAIN]) for t in ("t0", "t1")}
+        out["served"].setdefault("ratio", {})[peer] = r
+        lines.append(
+            f"  ours/{peer:11s} {MAIN}: T=0 {r['t0']['ratio']:.3f} (seeds {r['t0']['min']:.2f}-{r['t0']['max']:.2f}), "
+            f"T=1 {r['t1']['ratio']:.3f} (seeds {r['t1']['min']:.2f}-{r['t1']['max']:.2f})"
         )
     return lines

@@ -325,3 +325,29 @@ def test_a_run_of_ours_alone_needs_no_peer_venv(tmp_path):
     a.sides = ["ours", "SpecForge"]
     with pytest.raises(SystemExit, match="make specforge-env"):
         quality_real.main(a)
+
+
+def test_the_served_table_pools_vllms_counts_and_takes_the_ratio_of_the_seed_means(tmp_path):
+    """``--vllm``: each side's served.json (vLLM's accepted / drafts per prompt group); tau over MT-Bench +
+    HumanEval pools the eval sets' counts (1 + accepted / drafts), by hand here; a side served for only some
+    seeds is left out of the served table."""
+    import quality_report
+
+    plan = _fake_work(tmp_path)
+
+    def served(side: str, mt: tuple, held: tuple, same: int) -> None:
+        groups = {"mt_bench": {"accepted": mt[0], "drafts": mt[1], "tau": 0.0},
+                  "heldout": {"accepted": held[0], "drafts": held[1], "tau": 0.0}}  # fmt: skip
+        row = {"t0": groups, "t1": groups, "same": same, "n": 2}
+        (tmp_path / side / "seed0" / "served.json").write_text(json.dumps(row))
+
+    served("ours", (3, 6), (1, 4), 2)  # MT-Bench + HumanEval 1 + 3/6 = 1.5; all 1 + 4/10 = 1.4
+    served("speculators", (2, 8), (0, 2), 1)  # 1.25; all 1.2
+    text = quality_report.report(tmp_path, plan, None)
+    out = json.loads(text.splitlines()[-1])["served"]
+    assert out["ours"]["t0"]["MT-Bench+HumanEval"]["mean"] == pytest.approx(1.5)
+    assert out["ours"]["t1"]["all"]["mean"] == pytest.approx(1.4)
+    assert out["speculators"]["t0"]["all"]["mean"] == pytest.approx(1.2)
+    assert out["ratio"]["speculators"]["t0"]["ratio"] == pytest.approx(1.5 / 1.25)
+    assert out["ours"]["same"] == [2, 2] and out["speculators"]["same"] == [1, 2]
+    assert "SpecForge" not in out and "greedy = target's 2/2" in text
