@@ -107,8 +107,8 @@ def ours_recipe(p05, shared, sets: list[str]):
 def reuse(work: Path, src: Path, seeds: list[int]) -> list[str]:
     """Copy from another work dir (``--reuse``) what this one would compute identically: a peer's training and
     evaluation of a seed when its training spec is the same (bar its output path) and so are the evaluation
-    settings (bar the plan's ours-only fields), and the eval prompts' greedy paths (refs.pt) when the prompt
-    settings are the same. Returns what was copied."""
+    settings (bar the plan's ours-only fields); ours' too when the two plans differ only in their seeds; and the
+    eval prompts' greedy paths (refs.pt) when the prompt settings are the same. Returns what was copied."""
 
     def spec(d: Path, name: str) -> dict | None:  # paths inside the work dir written as <work>
         f = d / name
@@ -125,7 +125,18 @@ def reuse(work: Path, src: Path, seeds: list[int]) -> list[str]:
             "run_dir": cfg["plan"]["run_dir"]
         }
 
+    def plan_but_seeds(d: Path) -> dict | None:
+        f = d / "plan.json"
+        return None if not f.exists() else {k: v for k, v in json.loads(f.read_text().replace(str(d), "<work>")).items() if k != "seeds"}  # fmt: skip
+
     got = []
+    # ours too where the two plans differ in their seeds alone (the same recipe, run and budget: a work dir
+    # planned for more seeds than the one it copies from)
+    sides = (
+        SIDES
+        if plan_but_seeds(src) is not None and plan_but_seeds(src) == plan_but_seeds(work)
+        else SIDES[1:]
+    )
     vmap = "vocab_map.safetensors"
     same_map = (src / vmap).exists() and (src / vmap).read_bytes() == (work / vmap).read_bytes()
     same_eval = settings(src) is not None and settings(src) == settings(work)
@@ -133,7 +144,7 @@ def reuse(work: Path, src: Path, seeds: list[int]) -> list[str]:
         shutil.copy2(src / "refs.pt", work / "refs.pt")
         got.append("refs.pt")
     for seed in seeds:
-        for side in SIDES[1:]:
+        for side in sides:
             name, done = f"train_{side}_{seed}.json", src / f"eval_{side}_{seed}.done"
             theirs = spec(src, name)
             if not (

@@ -217,6 +217,24 @@ def test_reuse_copies_only_peer_jobs_whose_spec_map_and_eval_settings_are_the_sa
         assert quality_real.reuse(other, src, [0]) == ([] if "vmap" not in kw else ["refs.pt"])
 
 
+def test_reuse_copies_ours_too_where_the_plans_differ_in_their_seeds_alone(tmp_path):
+    """A work dir planned for seeds 0-2 takes ours' seed 0 from one planned for seed 0 (the same recipe, run
+    and budget); one whose plan differs elsewhere (another --ours-set) takes the peers' only."""
+    src = _work(tmp_path / "base", lr=0.002)
+    plan = {"steps": 96, "ours_set": [], "run_dir": "r", "bench_params": {"learning_rate": 0.002}}
+    (src / "plan.json").write_text(json.dumps(plan | {"seeds": [0], "vocab_map": str(src / "x")}))
+    for name, ours_set, want in (("more", [], "ours seed 0"), ("other", ["loss_decay=0.5"], None)):
+        new = _work(tmp_path / name, lr=0.002)
+        for side in quality_real.SIDES:
+            shutil.rmtree(new / side)
+            (new / f"eval_{side}_0.done").unlink()
+        (new / "plan.json").write_text(json.dumps(plan | {"seeds": [0, 1, 2], "ours_set": ours_set,
+                                                          "vocab_map": str(new / "x")}))  # fmt: skip
+        got = quality_real.reuse(new, src, [0, 1, 2])
+        assert ("ours seed 0" in got) == (want is not None) and "speculators seed 0" in got
+        assert (new / "ours/seed0/step_8/tau.json").exists() == (want is not None)
+
+
 def test_speculators_muon_runs_its_newton_schulz_in_float32_on_cpu_with_torchs_update():
     import bench_quality
     from torch.optim import _muon
