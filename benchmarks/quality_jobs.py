@@ -285,17 +285,18 @@ def _check(work: Path, tasks, refs, target, embed, vocab, plan, per_group: int =
 
 
 # --- served by vLLM ---------------------------------------------------------------------------------------
-def served_export(task: dict, work: Path, plan: dict, embed) -> Path:
+def served_export(task: dict, work: Path, plan: dict, shared) -> Path:
     """The directory vLLM loads for a side's final drafter: speculators' own saved checkpoint; ours and
-    SpecForge's weights written in the speculators format by our exporter (SpecForge saves no vLLM format)."""
+    SpecForge's weights written in the speculators format by our exporter (SpecForge saves no vLLM format; its
+    reader takes the target's embedding, read alone from the safetensors)."""
     from eagle_lib import models
     from eagle_lib.drafter import export
-    from eagle_lib.params import SharedParams
+    from eagle_lib.hidden_states.hidden import load_target_embedding
 
     if task["side"] == "speculators":
         return Path(task["dir"])
-    shared = SharedParams(**plan["shared"])
     tgt = models.resolve(shared.target)
+    embed = load_target_embedding(tgt, models.hub_kwargs(shared)["revision"])
     arch = models.load_config(tgt).architectures or ["LlamaForCausalLM"]
     out = work / task["side"] / f"seed{task['seed']}" / "served_export"
     return export.export_speculators(_drafter(task, embed, plan["aux_layers"]), out, tgt, arch, plan["k"])
@@ -319,8 +320,7 @@ def job_serve(path: str) -> None:
     plan = _plan(work / "eval.json")["plan"]
     refs = torch.load(work / "refs.pt", weights_only=False)
     shared = SharedParams(**plan["shared"])
-    embed = models.load_target(shared, device="cpu").get_input_embeddings().weight.detach()
-    export_dir = served_export(task, work, plan, embed)
+    export_dir = served_export(task, work, plan, shared)
     t0 = time.perf_counter()
 
     def groups(rows: list[dict]) -> dict[str, list[Prompt]]:

@@ -298,9 +298,10 @@ def drafter_config(hf_config, p: Params):
     return config
 
 
-def target_layer(p: Params, target: str, hf_config, revision: str | None = None) -> dict | None:
+def target_layer(p: Params, shared: params.SharedParams, hf_config) -> dict | None:
     """The target tensors that init_layer_from_target starts the drafter from (None when it is -1): the
-    layer's (`model.LAYER_TENSORS`) and ``final_norm``, read alone from the target's safetensors."""
+    layer's (`model.LAYER_TENSORS`) and ``final_norm``, read alone from the target's safetensors (at the
+    pinned revision)."""
     from eagle_lib import models
     from eagle_lib.drafter.model import LAYER_TENSORS
     from eagle_lib.hidden_states.hidden import load_target_tensors
@@ -313,6 +314,7 @@ def target_layer(p: Params, target: str, hf_config, revision: str | None = None)
         raise params.ParamsError(f"05_train_eagle3: init_layer_from_target {i}: the target has {n} decoder "
                                  f"layers (0-{n - 1})")  # fmt: skip
     names = {key: [f"model.layers.{i}.{key}", f"layers.{i}.{key}"] for key in LAYER_TENSORS}
+    target, revision = models.resolve(shared.target), models.hub_kwargs(shared)["revision"]
     return load_target_tensors(target, {**names, "final_norm": ["model.norm.weight"]}, revision)
 
 

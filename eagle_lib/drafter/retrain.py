@@ -61,8 +61,7 @@ class Trainer:
         self.config = recipe.drafter_config(self.hf_config, self.p)
         self.k, self.decay = ttt.resolve_preset(self.p.ttt_preset, self.p.ttt_steps, self.p.loss_decay)
         self.source, self.embed, self.lm_head, self.keep = self._source(models.resolve(shared.target))
-        rev = models.hub_kwargs(shared)["revision"]
-        self.layer = recipe.target_layer(self.p, models.resolve(shared.target), self.hf_config, rev)
+        self.layer = recipe.target_layer(self.p, shared, self.hf_config)
         cuda = self.device.type == "cuda"
         self.autocast = trainer.use_autocast(self.p, self.device)
         self.attention = self.p.attention if self.p.attention != "auto" else ("sdpa" if cuda else "eager")

@@ -205,8 +205,7 @@ def build(cfg: params.StageConfig, device, fp: str = ""):
     )
     config = recipe.drafter_config(hf_config, p)
     d2t, t2d, vinfo = vocab.for_stage(cfg, train_seqs, config.vocab_size)
-    rev = models.hub_kwargs(cfg.shared)["revision"]
-    layer = recipe.target_layer(p, models.resolve(cfg.shared.target), hf_config, rev)
+    layer = recipe.target_layer(p, cfg.shared, hf_config)
     drafter = recipe.new_drafter(config, d2t, t2d, p, cfg.shared.seed, embed, lm_head, layer)
     recipe.frozen_in_bf16(drafter, use_autocast(p, device))
     return source, drafter.to(device), train_seqs, held, tally, vinfo

@@ -118,6 +118,12 @@ def test_the_lm_head_lr_scale_is_a_positive_fraction():
     assert recipe.Params(lm_head_lr_scale=0.1).lm_head_lr_scale == 0.1
 
 
+def _shared(path):
+    from eagle_lib.params import SharedParams
+
+    return SharedParams(target=str(path))
+
+
 def _saved_llama(tmp_path, layers: int = 4):
     """A tiny random Llama target saved as safetensors (the layer init reads the tensors from the files)."""
     from tests.support.models import llama
@@ -139,7 +145,7 @@ def test_a_draft_layer_started_from_a_target_layer_computes_that_layer(tmp_path)
         init_layer_from_target=2, init_fc="last_aux", draft_vocab_size=128, aux_layers=[0, 0, 1]
     )
     config = recipe.drafter_config(target.config, p)
-    layer = recipe.target_layer(p, str(tmp_path), target.config)
+    layer = recipe.target_layer(p, _shared(tmp_path), target.config)
     v = config.vocab_size
     d = recipe.new_drafter(config, torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool), p, 0,
                            target.get_input_embeddings().weight, target.lm_head.weight, layer)  # fmt: skip
@@ -167,7 +173,7 @@ def test_both_halves_take_the_target_matrix_and_the_embedding_half_is_random_oth
             init_layer_from_target=3, init_layer_halves=halves, draft_vocab_size=128, aux_layers=[0, 1, 2]
         )
         config = recipe.drafter_config(target.config, p)
-        layer = recipe.target_layer(p, str(tmp_path), target.config)
+        layer = recipe.target_layer(p, _shared(tmp_path), target.config)
         v = config.vocab_size
         got[halves] = recipe.new_drafter(config, torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool),
                                          p, 0, target.get_input_embeddings().weight, target.lm_head.weight, layer)  # fmt: skip
@@ -183,9 +189,9 @@ def test_the_layer_init_names_a_layer_the_target_has(tmp_path):
 
     target = _saved_llama(tmp_path, layers=2)
     with pytest.raises(params.ParamsError, match="init_layer_from_target 2: the target has 2 decoder layers"):
-        recipe.target_layer(recipe.Params(init_layer_from_target=2), str(tmp_path), target.config)
+        recipe.target_layer(recipe.Params(init_layer_from_target=2), _shared(tmp_path), target.config)
     with pytest.raises(ValueError, match="init_layer_from_target -2"):
         recipe.Params(init_layer_from_target=-2)
     with pytest.raises(ValueError, match="draft_attention gqa"):
         recipe.Params(init_layer_from_target=0, draft_attention="mla")
-    assert recipe.target_layer(recipe.Params(), str(tmp_path), target.config) is None
+    assert recipe.target_layer(recipe.Params(), _shared(tmp_path), target.config) is None
